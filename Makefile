@@ -1,0 +1,32 @@
+# Two entry points, both self-contained on a fresh machine:
+#   make demo   creates .venv, installs, validates and builds the bundled tiny drafter
+#   make test   creates .venv, installs, lints and runs the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+DEMO   := artifacts/demo
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[compile,runtime,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(VENV)/bin/dflash-compile make-example tiny-dflash $(DEMO)/checkpoint --seed 0
+	$(VENV)/bin/dflash-compile validate $(DEMO)/checkpoint/drafter --target-model $(DEMO)/checkpoint/target
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache

@@ -1,0 +1,114 @@
+"""Run a lowered (and optionally rewritten) :class:`Program` with the numpy interpreter.
+
+It owns a paged KV cache exactly as the GPU runtime does (:class:`PageAllocator`, page slots, block
+tables, cache lengths as inputs), so comparing it with the reference over many steps checks the
+graphs *and* the cache protocol: lazily allocated pages, rollback, free and page reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_compiler.ir.graph import eval_dim
+from dflash_compiler.ir.interpret import interpret
+from dflash_compiler.ir.weights import WeightCache
+from dflash_compiler.lower import PAGE_SIZE, Program
+from dflash_compiler.runtime.pages import PageAllocator
+
+
+@dataclass(frozen=True)
+class Drafts:
+    tokens: np.ndarray  # int32 [nb, gamma]
+    confidences: np.ndarray | None  # float32 [nb, gamma] (DSpark with a confidence head)
+
+
+class GraphDrafter:
+    """``append_context`` / ``propose`` over interpreted phase graphs with a paged fp32 KV cache."""
+
+    def __init__(
+        self,
+        program: Program,
+        tensors: Mapping[str, np.ndarray] | Callable[[str], np.ndarray],
+        num_pages: int,
+        max_seq_len: int,
+    ) -> None:
+        self.program = program
+        self.cfg = program.config
+        self.weights = WeightCache(tensors)
+        self.pages = PageAllocator(num_pages, PAGE_SIZE, max_seq_len)
+        shape = self.program.append_context.node("kv_cache").type.shape
+        self.kv = np.zeros(tuple(eval_dim(d, {"pages": num_pages}) for d in shape), np.float32)
+
+    # sequence lifetime --------------------------------------------------------------------------
+    def create(self, seq_id: int) -> None:
+        self.pages.create(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        self.pages.free(seq_id)
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.pages.rollback(seq_id, length)
+
+    def length(self, seq_id: int) -> int:
+        return self.pages.length(seq_id)
+
+    # phases -------------------------------------------------------------------------------------
+    def append_context(
+        self, seq_ids: Sequence[int], taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]
+    ) -> None:
+        """Append each sequence's new context rows (``taps[i] [C_i, T*H_t]`` at ``positions[i]``)."""
+        ends = {}
+        for seq_id, pos in zip(seq_ids, positions, strict=True):
+            pos = np.asarray(pos)
+            length = self.pages.length(seq_id)
+            if len(pos) and (pos[0] > length or np.any(np.diff(pos) != 1)):
+                raise ValueError(
+                    f"sequence {seq_id}: context positions must be consecutive and start at or before its "
+                    f"length {length}, got {pos.tolist()}"
+                )
+            ends[seq_id] = max(length, int(pos[-1]) + 1) if len(pos) else length
+        self.pages.reserve(ends)
+        slots = np.array(
+            [self.pages.slot(s, int(p)) for s, pos in zip(seq_ids, positions, strict=True) for p in pos], np.int32
+        )
+        all_taps = np.concatenate([np.asarray(t, np.float32) for t in taps])
+        all_pos = np.concatenate([np.asarray(p) for p in positions]).astype(np.int32)
+        interpret(
+            self.program.append_context,
+            {"taps": all_taps, "ctx_positions": all_pos, "ctx_slots": slots},
+            self.weights,
+            {"kv_cache": self.kv},
+            {"ctx": len(slots), "pages": self.pages.num_pages},
+        )
+
+    def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
+        """Draft ``gamma`` tokens per sequence; the anchor sits at the sequence's cached length."""
+        blk = self.cfg.block_size
+        lens = np.array([self.pages.length(s) for s in seq_ids], np.int32)
+        maxp = max(1, max(len(self.pages.pages(s)) for s in seq_ids))
+        table = np.zeros((len(seq_ids), maxp), np.int32)
+        for i, s in enumerate(seq_ids):
+            owned = self.pages.pages(s)
+            table[i, : len(owned)] = owned
+        positions = (lens[:, None] + np.arange(blk, dtype=np.int32)[None, :]).reshape(-1)
+        out = interpret(
+            self.program.propose,
+            {
+                "anchors": np.asarray(anchors, np.int32),
+                "blk_positions": positions,
+                "block_table": table,
+                "cache_lens": lens,
+            },
+            self.weights,
+            {"kv_cache": self.kv},
+            {"nb": len(seq_ids), "blk": blk, "pages": self.pages.num_pages, "maxp": maxp},
+        )
+        gamma = blk - 1
+        conf = out.get("confidences")
+        return Drafts(
+            out["tokens"].reshape(len(seq_ids), gamma),
+            None if conf is None else conf.reshape(len(seq_ids), gamma),
+        )

@@ -1,0 +1,197 @@
+"""Per-op rules of the IR and ``verify(graph)``, run between passes in tests and in debug builds.
+
+Each op states its arity, its required attributes and a shape rule relating its inputs to its
+outputs. ``verify`` also checks the graph is acyclic, every OUTPUT is reachable, dims use only the
+phase's named symbols, and WEIGHT nodes carry a declaration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dflash_compiler.ir.graph import Dim, Graph, Node, TensorType, dim_symbols
+from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.weights import TRANSFORMS, WeightDecl
+
+
+class VerifyError(ValueError):
+    def __init__(self, graph: str, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__(f"graph {graph}: {len(errors)} IR error(s):\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+ShapeRule = Callable[[Node, list[TensorType]], list[str]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    arity: tuple[int, int]  # (min, max) inputs
+    attrs: tuple[str, ...] = ()
+    outputs: int = 1
+    rule: ShapeRule | None = None
+
+
+def _same(a: Dim, b: Dim) -> bool:
+    return str(a).replace(" ", "") == str(b).replace(" ", "")
+
+
+def _expect(cond: bool, msg: str) -> list[str]:
+    return [] if cond else [msg]
+
+
+def _matmul(node: Node, ins: list[TensorType]) -> list[str]:
+    x, w = ins[0], ins[1]
+    out = node.outputs[0]
+    errs = _expect(len(w.shape) == 2, f"weight must be 2-D, got {w.render()}")
+    if errs:
+        return errs
+    errs += _expect(_same(x.shape[-1], w.shape[1]), f"x {x.render()} @ W{w.render()}.T: inner dims differ")
+    errs += _expect(
+        _same(out.shape[-1], w.shape[0]) and _same(out.shape[0], x.shape[0]),
+        f"output {out.render()} is not [{x.shape[0]}, {w.shape[0]}]",
+    )
+    if node.op is Op.MATMUL_FP8:
+        errs += _expect(w.dtype == "float8_e4m3fn", f"fp8 weight has dtype {w.dtype}")
+        errs += _expect(ins[2].dtype == "float32" and _same(ins[2].shape[0], w.shape[0]), "scale must be f32[N]")
+    return errs
+
+
+def _same_as_input(node: Node, ins: list[TensorType]) -> list[str]:
+    return _expect(
+        all(_same(a, b) for a, b in zip(node.outputs[0].shape, ins[0].shape, strict=False))
+        and len(node.outputs[0].shape) == len(ins[0].shape),
+        f"output {node.outputs[0].render()} must have the input's shape {ins[0].render()}",
+    )
+
+
+def _norm(node: Node, ins: list[TensorType]) -> list[str]:
+    x, w = ins[0], ins[-1]
+    width = int(node.attr("head_dim")) if node.op is Op.HEAD_RMSNORM else x.shape[-1]
+    errs = _same_as_input(node, ins)
+    errs += _expect(len(w.shape) == 1 and _same(w.shape[0], width), f"norm weight {w.render()} is not [{width}]")
+    if node.op is Op.HEAD_RMSNORM:
+        errs += _expect(isinstance(x.shape[-1], int) and x.shape[-1] % width == 0, "width not a multiple of head_dim")
+    return errs
+
+
+def _rope(node: Node, ins: list[TensorType]) -> list[str]:
+    errs = _same_as_input(node, ins)
+    errs += _expect(ins[1].dtype == "int32" and _same(ins[1].shape[0], ins[0].shape[0]), "positions must be i32[rows]")
+    if len(ins) == 3:
+        half = int(node.attr("head_dim")) // 2
+        errs += _expect(_same(ins[2].shape[0], half), f"inv_freq table must be [{half}]")
+        errs += _expect(node.has("attention_factor"), "a RoPE table input needs attention_factor")
+    else:
+        errs += _expect(node.has("rope"), "RoPE without a table needs the rope spec attribute")
+    return errs
+
+
+def _attention(node: Node, ins: list[TensorType]) -> list[str]:
+    q, k, v = ins[0], ins[1], ins[2]
+    hq, hkv, d = (int(node.attr(a)) for a in ("heads", "kv_heads", "head_dim"))
+    errs = _expect(hq % hkv == 0, f"heads {hq} not a multiple of kv_heads {hkv}")
+    errs += _expect(_same(q.shape[-1], hq * d), f"q {q.render()} is not [rows, {hq * d}]")
+    errs += _expect(_same(k.shape[-1], hkv * d) and _same(v.shape[-1], hkv * d), "k/v are not [rows, kv_heads*D]")
+    return errs
+
+
+def _elementwise2(node: Node, ins: list[TensorType]) -> list[str]:
+    if len(ins) == 1:  # silu_mul over the two halves of one input
+        ok = isinstance(ins[0].shape[-1], int) and _same(node.outputs[0].shape[-1], ins[0].shape[-1] // 2)
+        return _expect(ok, f"fused silu_mul output {node.outputs[0].render()} is not half of {ins[0].render()}")
+    return _expect(
+        all(_same(a, b) for a, b in zip(ins[0].shape, ins[1].shape, strict=True)), "operand shapes differ"
+    ) + _same_as_input(node, ins)
+
+
+def _slice(node: Node, ins: list[TensorType]) -> list[str]:
+    start, stop = int(node.attr("start")), int(node.attr("stop"))
+    width = ins[0].shape[-1]
+    return _expect(
+        isinstance(width, int) and 0 <= start < stop <= width and _same(node.outputs[0].shape[-1], stop - start),
+        f"slice [{start}:{stop}] of {ins[0].render()} into {node.outputs[0].render()}",
+    )
+
+
+def _weight(node: Node, ins: list[TensorType]) -> list[str]:
+    decl = node.attr("decl", None)
+    if not isinstance(decl, WeightDecl):
+        return ["weight has no WeightDecl"]
+    return _expect(decl.transform in TRANSFORMS, f"unknown weight transform {decl.transform!r}")
+
+
+SPECS: dict[Op, OpSpec] = {
+    Op.INPUT: OpSpec((0, 0)),
+    Op.WEIGHT: OpSpec((0, 0), ("decl",), rule=_weight),
+    Op.STATE: OpSpec((0, 0)),
+    Op.OUTPUT: OpSpec((1, 1), rule=_same_as_input),
+    Op.EMBED: OpSpec((2, 2), ("scale",)),
+    Op.BLOCK_IDS: OpSpec((1, 1), ("block", "mask_token_id")),
+    Op.SLICE: OpSpec((1, 1), ("start", "stop"), rule=_slice),
+    Op.DROP_ANCHOR: OpSpec((1, 1), ("block",)),
+    Op.KV_WRITE: OpSpec((3, 3), ("layer", "which", "page_size"), rule=_same_as_input),
+    Op.MATMUL: OpSpec((2, 2), rule=_matmul),
+    Op.MATMUL_FP8: OpSpec((3, 3), rule=_matmul),
+    Op.LM_HEAD: OpSpec((2, 2), rule=_matmul),
+    Op.RMSNORM: OpSpec((2, 2), ("eps",), rule=_norm),
+    Op.RMSNORM_RESIDUAL: OpSpec((3, 3), ("eps",), outputs=2),
+    Op.HEAD_RMSNORM: OpSpec((2, 2), ("eps", "head_dim"), rule=_norm),
+    Op.ROPE: OpSpec((2, 3), ("head_dim",), rule=_rope),
+    Op.BLOCK_ATTENTION: OpSpec(
+        (7, 7), ("layer", "heads", "kv_heads", "head_dim", "block", "causal", "window", "page_size"), rule=_attention
+    ),
+    Op.SILU_MUL: OpSpec((1, 2), rule=_elementwise2),
+    Op.ADD: OpSpec((2, 2), rule=_elementwise2),
+    Op.SCALE: OpSpec((1, 1), ("factor",), rule=_same_as_input),
+    Op.SOFTCAP: OpSpec((1, 1), ("cap",), rule=_same_as_input),
+    Op.ARGMAX: OpSpec((1, 1)),
+    Op.TOPK: OpSpec((1, 1), ("k",), outputs=2),
+    Op.CONV2: OpSpec((3, 3), ("tap", "kernel", "group", "block"), rule=_same_as_input),
+    Op.SELECTOR: OpSpec((6, 6), ("block",)),
+    Op.MARKOV_WALK: OpSpec((4, 4), ("block",)),
+    Op.CONFIDENCE: OpSpec((6, 6), ("block", "with_markov")),
+}
+
+
+def verify(graph: Graph) -> None:
+    """Raise :class:`VerifyError` listing every violation of the IR rules in ``graph``."""
+    errors: list[str] = []
+    if not graph.is_acyclic():
+        raise VerifyError(graph.name, ["graph has a cycle"])
+    if not graph.outputs():
+        errors.append("graph has no OUTPUT node")
+    symbols = set(graph.dims)
+    for name in graph.topo():
+        node = graph.node(name)
+        spec = SPECS[node.op]
+        ins = graph.inputs(name)
+        where = f"{name} ({node.op.value})"
+        lo, hi = spec.arity
+        if not lo <= len(ins) <= hi:
+            errors.append(f"{where}: {len(ins)} inputs, expected {lo}..{hi}")
+            continue
+        if sorted(a for a in range(len(ins))) != [i for i, _ in enumerate(ins)]:
+            errors.append(f"{where}: argument indices are not contiguous")
+        missing = [a for a in spec.attrs if not node.has(a)]
+        if missing:
+            errors.append(f"{where}: missing attributes {missing}")
+            continue
+        if len(node.outputs) != spec.outputs:
+            errors.append(f"{where}: {len(node.outputs)} outputs, expected {spec.outputs}")
+        for out in node.outputs:
+            unknown = set().union(*(dim_symbols(d) for d in out.shape)) - symbols if out.shape else set()
+            if unknown:
+                errors.append(f"{where}: shape {out.render()} uses undeclared dims {sorted(unknown)}")
+        types = []
+        for ref in ins:
+            producer = graph.node(ref.node)
+            if ref.port >= len(producer.outputs):
+                errors.append(f"{where}: reads port {ref.port} of {ref.node}, which has {len(producer.outputs)}")
+                break
+            types.append(producer.outputs[ref.port])
+        else:
+            if spec.rule is not None:
+                errors += [f"{where}: {e}" for e in spec.rule(node, types)]
+    if errors:
+        raise VerifyError(graph.name, errors)

@@ -1,0 +1,95 @@
+"""Weight declarations: a packed tensor is a pure numpy function of named source tensors.
+
+A graph's WEIGHT nodes carry a :class:`WeightDecl`. The declarations are data (recorded in the
+artifact); :func:`materialize` applies them to checkpoint tensors, here at interpretation time and in
+``pack-weights`` on the deploy box. Sources are checkpoint names; the target's tensors are
+``target.embed_tokens`` and ``target.lm_head``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class WeightDecl:
+    """``transform(*sources, **params)`` gives the tensor. ``output`` picks one of several results."""
+
+    transform: str
+    sources: tuple[str, ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()
+    output: int = 0
+
+    @staticmethod
+    def of(source: str) -> WeightDecl:
+        return WeightDecl("identity", (source,))
+
+    def render(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.params)
+        args = ", ".join(self.sources) + (f"; {params}" if params else "")
+        suffix = f"[{self.output}]" if self.output else ""
+        return f"{self.transform}({args}){suffix}"
+
+
+def _identity(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (x,)
+
+
+def _concat_rows(*xs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Stack output rows: fused projections ``[W_a; W_b; ...]`` so one GEMM computes all of them."""
+    return (np.concatenate([np.asarray(x, np.float32) for x in xs], axis=0),)
+
+
+def quantize_fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 weights with one fp32 scale per output row: ``w ≈ w8 * scale[:, None]``."""
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0).astype(np.float32)
+    w8 = (w / scale[:, None]).astype(ml_dtypes.float8_e4m3fn)
+    return w8, scale
+
+
+def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, ...]:
+    return quantize_fp8_rows(w)
+
+
+def _rope_inv_freq(*, inv_freq: tuple[float, ...]) -> tuple[np.ndarray, ...]:
+    return (np.asarray(inv_freq, np.float32),)
+
+
+TRANSFORMS: dict[str, Callable[..., tuple[np.ndarray, ...]]] = {
+    "identity": _identity,
+    "concat_rows": _concat_rows,
+    "fp8_e4m3_rows": _fp8_rows,
+    "rope_inv_freq": _rope_inv_freq,
+}
+
+
+def materialize(decl: WeightDecl, source: Callable[[str], np.ndarray]) -> np.ndarray:
+    """Compute one declared tensor from ``source(name)`` (checkpoint tensors)."""
+    if decl.transform not in TRANSFORMS:
+        raise KeyError(f"unknown weight transform {decl.transform!r}; known: {sorted(TRANSFORMS)}")
+    fn = TRANSFORMS[decl.transform]
+    results = fn(*(source(name) for name in decl.sources), **dict(decl.params))
+    return results[decl.output]
+
+
+class WeightCache:
+    """Materialized declarations keyed by declaration, computed once (interpreter and packing)."""
+
+    def __init__(self, source: Callable[[str], np.ndarray] | Mapping[str, np.ndarray]) -> None:
+        self._source: Callable[[str], np.ndarray] = source.__getitem__ if isinstance(source, Mapping) else source
+        self._done: dict[WeightDecl, np.ndarray] = {}
+
+    def get(self, decl: WeightDecl) -> np.ndarray:
+        if decl not in self._done:
+            self._done[decl] = materialize(decl, self._source)
+        return self._done[decl]
