@@ -203,6 +203,8 @@ def _check_options(out_dir: Path, dtype: str, target_shards: int, cfg: DrafterCo
         problems.append(
             Problem("target_shards", str(target_shards), f"1..{n_target} ({why})", f"pass 1 to {n_target} shards")
         )
+    if out_dir.exists() and not out_dir.is_dir():
+        problems.append(Problem(str(out_dir), "a file", "a directory (or nothing)", "choose another output path"))
     for sub in ("drafter", "target"):
         if not overwrite and (out_dir / sub).exists():
             problems.append(

@@ -19,7 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _fail(error: InputError) -> typer.Exit:
@@ -77,12 +77,13 @@ def make_example(
     seed: Annotated[int, typer.Option(help="random seed; same seed, same bytes")] = 0,
     dtype: Annotated[str, typer.Option(help="storage dtype: bf16 or fp32")] = "bf16",
     target_shards: Annotated[int, typer.Option(help="write the target as this many safetensors shards")] = 1,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing drafter/ and target/ in OUT")] = False,
 ) -> None:
     """Write a random-weight drafter checkpoint and a matching target checkpoint."""
     from dflash_compiler.checkpoint import write_example
 
     try:
-        written = write_example(name, out, seed=seed, dtype=dtype, target_shards=target_shards)
+        written = write_example(name, out, seed=seed, dtype=dtype, target_shards=target_shards, overwrite=force)
     except InputError as error:
         raise _fail(error) from None
     console.print(f"wrote drafter to [bold]{written.drafter_dir}[/] and target to [bold]{written.target_dir}[/]")

@@ -41,6 +41,7 @@ class GraphDrafter:
         self.pages = PageAllocator(num_pages, PAGE_SIZE, max_seq_len)
         shape = self.program.append_context.node("kv_cache").type.shape
         self.kv = np.zeros(tuple(eval_dim(d, {"pages": num_pages}) for d in shape), np.float32)
+        self.last_values: dict[str, np.ndarray] = {}  # every node's value in the last propose call
 
     # sequence lifetime --------------------------------------------------------------------------
     def create(self, seq_id: int) -> None:
@@ -105,6 +106,7 @@ class GraphDrafter:
             self.weights,
             {"kv_cache": self.kv},
             {"nb": len(seq_ids), "blk": blk, "pages": self.pages.num_pages, "maxp": maxp},
+            capture=self.last_values,
         )
         gamma = blk - 1
         conf = out.get("confidences")

@@ -32,9 +32,11 @@ from dflash_compiler.tensors import expected_drafter_tensors, layer_prefix
 F32 = np.float32
 
 __all__ = [
+    "BatchedDrafts",
+    "BatchedReference",
+    "CacheDrafterLike",
     "ContextCache",
     "ConvWeights",
-    "DrafterLike",
     "LayerWeights",
     "Proposal",
     "ProtocolRun",
@@ -125,7 +127,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) 
     Query head ``j`` reads kv head ``j // (Hq / Hkv)``; the scale is ``D^-0.5``. A query that sees no key
     at all is an error (the mask logic upstream is wrong), never a silent NaN.
     """
-    n_q, heads, dim = q.shape
+    _, heads, dim = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads != 0:
         raise ValueError(f"{heads} query heads do not group over {kv_heads} kv heads")
@@ -177,6 +179,7 @@ def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    """Logistic function in fp32; DSpark turns the confidence logit into an acceptance estimate with it."""
     return (F32(1.0) / (F32(1.0) + np.exp(-x.astype(F32)))).astype(F32, copy=False)
 
 
@@ -220,9 +223,7 @@ def _checked_weights(cfg: DrafterConfig, weights: Mapping[str, np.ndarray]) -> d
             continue
         arr = np.asarray(weights[name])
         if tuple(arr.shape) != spec.shape:
-            problems.append(
-                Problem(name, f"shape {list(arr.shape)}", f"shape {list(spec.shape)}", "check the config")
-            )
+            problems.append(Problem(name, f"shape {list(arr.shape)}", f"shape {list(spec.shape)}", "check the config"))
             continue
         try:
             out[name] = to_f32(arr)
@@ -547,8 +548,12 @@ class ReferenceDrafter:
 # --------------------------------------------------------------------------------------------------
 
 
-class DrafterLike(Protocol):
-    """What :func:`run_script` drives: the reference, or any compiled drafter with the same surface."""
+class CacheDrafterLike(Protocol):
+    """What :func:`run_script` drives: the reference, or any drafter with the same per-cache surface.
+
+    (:mod:`dflash_compiler.protocol` drives the batched, seq-id surface instead; :class:`BatchedReference`
+    adapts the reference to it.)
+    """
 
     cfg: DrafterConfig
 
@@ -612,9 +617,7 @@ def _random_token(rng: np.random.Generator, cfg: DrafterConfig) -> int:
     return (token + 1) % cfg.vocab_size if token == cfg.mask_token_id else token
 
 
-def make_script(
-    cfg: DrafterConfig, prompt_lengths: Sequence[int], steps: int, seed: int
-) -> tuple[SequenceScript, ...]:
+def make_script(cfg: DrafterConfig, prompt_lengths: Sequence[int], steps: int, seed: int) -> tuple[SequenceScript, ...]:
     """Deterministic protocol inputs for several sequences, independent of any drafter's output.
 
     Taps are N(0, 1) float32 from ``(seed, sequence index)``; each round's anchor (the target's bonus or
@@ -643,7 +646,7 @@ def make_script(
 
 
 def run_script(
-    drafter: DrafterLike, scripts: Sequence[SequenceScript], *, padded: bool = False
+    drafter: CacheDrafterLike, scripts: Sequence[SequenceScript], *, padded: bool = False
 ) -> tuple[tuple[StepResult, ...], ...]:
     """Drive ``drafter`` through ``scripts``, round-robin over the sequences (each with its own cache).
 
@@ -673,8 +676,68 @@ def run_script(
 
 
 def run_protocol(
-    drafter: DrafterLike, prompt_lengths: Sequence[int], steps: int, seed: int, *, padded: bool = False
+    drafter: CacheDrafterLike, prompt_lengths: Sequence[int], steps: int, seed: int, *, padded: bool = False
 ) -> ProtocolRun:
     """:func:`make_script` then :func:`run_script`; the returned run carries the script for replays."""
     scripts = make_script(drafter.cfg, prompt_lengths, steps, seed)
     return ProtocolRun(scripts=scripts, results=run_script(drafter, scripts, padded=padded))
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched, seq-id adapter (the surface of dflash_compiler.protocol.DrafterLike)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchedDrafts:
+    """Drafts of one batched propose: ``tokens [nb, γ]`` int64, ``confidences [nb, γ]`` or None, and the
+    full per-sequence :class:`Proposal` objects for finer comparisons."""
+
+    tokens: np.ndarray
+    confidences: np.ndarray | None
+    proposals: tuple[Proposal, ...]
+
+
+class BatchedReference:
+    """The reference behind a seq-id interface: one :class:`ContextCache` per live sequence.
+
+    A sequence's length is one past its highest cached position, and ``propose`` places the block there
+    (``p0 = length``), which is how a paged serving cache numbers rows.
+    """
+
+    def __init__(self, drafter: ReferenceDrafter) -> None:
+        self.drafter = drafter
+        self.cfg = drafter.cfg
+        self.caches: dict[int, ContextCache] = {}
+
+    def create(self, seq_id: int) -> None:
+        if seq_id in self.caches:
+            raise ValueError(f"sequence {seq_id} already exists")
+        self.caches[seq_id] = self.drafter.new_cache()
+
+    def free(self, seq_id: int) -> None:
+        del self.caches[seq_id]
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.drafter.rollback(self.caches[seq_id], length)
+
+    def length(self, seq_id: int) -> int:
+        positions = self.caches[seq_id].positions
+        return int(positions.max()) + 1 if positions.shape[0] else 0
+
+    def append_context(
+        self, seq_ids: Sequence[int], taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]
+    ) -> None:
+        for seq_id, rows, pos in zip(seq_ids, taps, positions, strict=True):
+            self.drafter.append_context(self.caches[seq_id], rows, pos)
+
+    def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> BatchedDrafts:
+        proposals = tuple(
+            self.drafter.propose(self.caches[s], int(a), self.length(s)) for s, a in zip(seq_ids, anchors, strict=True)
+        )
+        gamma = self.cfg.gamma
+        tokens = np.stack([p.tokens for p in proposals]) if proposals else np.zeros((0, gamma), np.int64)
+        confidences = None
+        if proposals and proposals[0].confidences is not None:
+            confidences = np.stack([p.confidences for p in proposals if p.confidences is not None])
+        return BatchedDrafts(tokens=tokens, confidences=confidences, proposals=proposals)

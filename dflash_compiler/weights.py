@@ -98,9 +98,7 @@ def _parse_entry(file: Path, name: str, entry: Any, data_start: int, data_len: i
         return _header_problem(file, f"header entry {name!r} = {short(entry)}", "dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     ok_shape = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-    ok_offsets = (
-        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
-    )
+    ok_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
     if not isinstance(dtype, str) or not ok_shape or not ok_offsets:
         return _header_problem(
             file,

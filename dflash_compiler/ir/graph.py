@@ -172,9 +172,13 @@ class Graph:
     def set_node(self, name: str, node: Node) -> None:
         self._g.nodes[name]["node"] = node
 
-    def redirect(self, old: Ref, new: Ref) -> None:
-        """Make every reader of ``old`` read ``new`` instead."""
+    def redirect(self, old: Ref, new: Ref, keep: Iterable[str] = ()) -> None:
+        """Make every reader of ``old`` read ``new`` instead, except the nodes named in ``keep``
+        (e.g. ``new`` itself when it was inserted after ``old``)."""
+        keep = set(keep)
         for dst, arg in self.users(old):
+            if dst in keep:
+                continue
             keys = [k for _, d, k, data in self._g.out_edges(old.node, keys=True, data=True)
                     if d == dst and data["arg"] == arg and data["port"] == old.port]  # fmt: skip
             for key in keys:

@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_compiler.ir.graph import Graph, Node, Ref, eval_dim
 from dflash_compiler.ir.ops import Op
-from dflash_compiler.ir.weights import WeightCache, WeightDecl
+from dflash_compiler.ir.weights import WeightCache
 from dflash_compiler.rope import RopeSpec, apply_rope, cos_sin, rope_tables
 
 
@@ -254,7 +254,9 @@ def interpret(
     weights: WeightCache,
     state: Mapping[str, np.ndarray],
     dims: Mapping[str, int],
+    capture: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
+    """Run ``graph``; when ``capture`` is given, every node's first output is stored in it by name."""
     values: dict[Ref, np.ndarray] = {}
     results: dict[str, np.ndarray] = {}
     for name in graph.topo():
@@ -269,8 +271,7 @@ def interpret(
                 raise InterpretError(f"{graph.name}: state {name!r} not given")
             out = state[name]
         elif node.op is Op.WEIGHT:
-            decl = node.attr("decl")
-            out = weights.get(decl if isinstance(decl, WeightDecl) else WeightDecl(*decl))
+            out = weights.get(node.attr("decl"))
         elif node.op is Op.OUTPUT:
             out = args[0]
             results[name] = args[0]
@@ -280,4 +281,6 @@ def interpret(
         for port, value in enumerate(outs):
             _check_shape(graph, name, port, value, dims)
             values[Ref(name, port)] = value
+        if capture is not None:
+            capture[name] = outs[0]
     return results

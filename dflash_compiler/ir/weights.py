@@ -22,7 +22,7 @@ class WeightDecl:
     """``transform(*sources, **params)`` gives the tensor. ``output`` picks one of several results."""
 
     transform: str
-    sources: tuple[str, ...] = ()
+    sources: tuple[str | WeightDecl, ...] = ()
     params: tuple[tuple[str, Any], ...] = ()
     output: int = 0
 
@@ -30,9 +30,17 @@ class WeightDecl:
     def of(source: str) -> WeightDecl:
         return WeightDecl("identity", (source,))
 
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """The checkpoint tensors this declaration reads, nested declarations included."""
+        out: list[str] = []
+        for s in self.sources:
+            out.extend([s] if isinstance(s, str) else s.checkpoint_names())
+        return tuple(out)
+
     def render(self) -> str:
-        params = ", ".join(f"{k}={v}" for k, v in self.params)
-        args = ", ".join(self.sources) + (f"; {params}" if params else "")
+        params = ", ".join(f"{k}={v}" for k, v in self.params if not isinstance(v, tuple))
+        names = [s if isinstance(s, str) else s.render() for s in self.sources]
+        args = ", ".join(names) + (f"; {params}" if params else "")
         suffix = f"[{self.output}]" if self.output else ""
         return f"{self.transform}({args}){suffix}"
 
@@ -74,11 +82,12 @@ TRANSFORMS: dict[str, Callable[..., tuple[np.ndarray, ...]]] = {
 
 
 def materialize(decl: WeightDecl, source: Callable[[str], np.ndarray]) -> np.ndarray:
-    """Compute one declared tensor from ``source(name)`` (checkpoint tensors)."""
+    """Compute one declared tensor from ``source(name)`` (checkpoint tensors); sources may nest."""
     if decl.transform not in TRANSFORMS:
         raise KeyError(f"unknown weight transform {decl.transform!r}; known: {sorted(TRANSFORMS)}")
     fn = TRANSFORMS[decl.transform]
-    results = fn(*(source(name) for name in decl.sources), **dict(decl.params))
+    inputs = [source(s) if isinstance(s, str) else materialize(s, source) for s in decl.sources]
+    results = fn(*inputs, **dict(decl.params))
     return results[decl.output]
 
 

@@ -1,0 +1,107 @@
+"""The compiler pipeline, top to bottom: validate → lower → passes → (schedule → build → emit).
+
+``PASSES`` is the one list of graph rewrites; each runs over both phases. With a dump directory the
+graph of every phase is written after every step (``03_fuse_gate_up.propose.txt``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dflash_compiler.config import DrafterConfig
+from dflash_compiler.ir import dump, verify
+from dflash_compiler.ir.graph import Graph
+from dflash_compiler.ir_passes.choose_precision import choose_precision
+from dflash_compiler.ir_passes.context import Pass, PassContext
+from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
+from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
+from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
+from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
+from dflash_compiler.ir_passes.plan_memory import plan_memory
+from dflash_compiler.ir_passes.select_rope import select_rope
+from dflash_compiler.ir_passes.size_kv_cache import size_kv_cache
+from dflash_compiler.lower import Program, lower
+from dflash_compiler.options import BuildOptions
+
+PASSES: list[tuple[str, Pass]] = [
+    ("fuse_context_kv", fuse_context_kv),
+    ("fuse_qkv", fuse_qkv),
+    ("fuse_gate_up", fuse_gate_up),
+    ("select_rope", select_rope),
+    ("choose_precision", choose_precision),
+    ("fuse_residual_norm", fuse_residual_norm),
+    ("size_kv_cache", size_kv_cache),
+    ("plan_memory", plan_memory),
+]
+
+
+@dataclass
+class GraphDumper:
+    """Writes every phase's graph after each step into ``directory`` (or nowhere)."""
+
+    directory: Path | None
+    step: int = 0
+    written: list[Path] = field(default_factory=list)
+
+    def __call__(self, label: str, program: Program) -> None:
+        if self.directory is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for phase, graph in program.phases.items():
+            path = self.directory / f"{self.step:02d}_{label}.{phase}.txt"
+            path.write_text(dump(graph))
+            self.written.append(path)
+        self.step += 1
+
+
+def apply_pass(program: Program, run: Pass, ctx: PassContext, check: bool) -> Program:
+    phases: dict[str, Graph] = {}
+    for name, graph in program.phases.items():
+        out = run(graph, ctx)
+        if check:
+            verify(out)
+        phases[name] = out
+    return program.with_phases(phases["append_context"], phases["propose"])
+
+
+def optimize(
+    cfg: DrafterConfig,
+    options: BuildOptions,
+    tensors: Callable[[str], np.ndarray] | None = None,
+    dump_dir: Path | None = None,
+    check: bool = True,
+    on_step: Callable[[str], None] | None = None,
+) -> Program:
+    """Lower ``cfg`` (with the options' block size) and run every pass of :data:`PASSES`."""
+    if options.block_size is not None:
+        cfg = cfg.with_block_size(options.block_size)
+    dumper = GraphDumper(dump_dir)
+    program = lower(cfg)
+    if check:
+        for graph in program.phases.values():
+            verify(graph)
+    dumper("lower", program)
+    ctx = make_pass_context(program, options, tensors)
+    for label, run in PASSES:
+        program = apply_pass(program, run, ctx, check)
+        dumper(label, program)
+        if on_step is not None:
+            on_step(label)
+    return program
+
+
+def make_pass_context(
+    program: Program, options: BuildOptions, tensors: Callable[[str], np.ndarray] | None
+) -> PassContext:
+    """Calibration activations are gathered only when a pass will measure with them (precision auto)."""
+    from dflash_compiler.calibrate import collect_calibration
+    from dflash_compiler.options import Precision
+
+    calibration = None
+    if options.precision is Precision.AUTO and tensors is not None:
+        calibration = collect_calibration(program, tensors)
+    return PassContext(program.config, options, tensors, calibration=calibration)

@@ -1,0 +1,1 @@
+"""Graph → Graph rewrites, one per file. The order they run in lives in ``dflash_compiler.pipeline``."""
