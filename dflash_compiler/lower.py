@@ -139,9 +139,7 @@ def _conv(b: _Builder, name: str, x: Ref, dyn: Ref, base: str, tap: int, rows: s
     base_ref = b.weight(base, (2, k, cfg.hidden_size))
     return b.g.add(
         name,
-        Node.make(
-            Op.CONV2, [TensorType(ACT, (rows, width))], tap=tap, kernel=k, group=gsize, block=cfg.block_size
-        ),
+        Node.make(Op.CONV2, [TensorType(ACT, (rows, width))], tap=tap, kernel=k, group=gsize, block=cfg.block_size),
         [x, dyn, base_ref],
     )
 
@@ -201,7 +199,9 @@ def lower_propose(cfg: DrafterConfig) -> Graph:
             m = _conv(b, n + "mlp_conv_in", m, dyn_m, p + "mlp_conv.base_kernel", 0, rows)
         gate = b.linear(n + "gate", m, p + "mlp.gate_proj.weight", rows)
         up = b.linear(n + "up", m, p + "mlp.up_proj.weight", rows)
-        act = g.add(n + "silu_mul", Node.make(Op.SILU_MUL, [TensorType(ACT, (rows, cfg.intermediate_size))]), [gate, up])
+        act = g.add(
+            n + "silu_mul", Node.make(Op.SILU_MUL, [TensorType(ACT, (rows, cfg.intermediate_size))]), [gate, up]
+        )
         down = b.linear(n + "down", act, p + "mlp.down_proj.weight", rows)
         if cfg.family is Family.DFLASH2:
             down = _conv(b, n + "mlp_conv_out", down, dyn_m, p + "mlp_conv.base_kernel", 1, rows)

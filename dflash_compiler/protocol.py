@@ -93,7 +93,9 @@ def run_scenario(
                 drafter.rollback(s, p + a + 1)
         else:
             drafter.append_context(
-                seq_ids, [taps(a + 1) for a in accepted], [np.arange(p, p + a + 1) for p, a in zip(p0, accepted, strict=True)]
+                seq_ids,
+                [taps(a + 1) for a in accepted],
+                [np.arange(p, p + a + 1) for p, a in zip(p0, accepted, strict=True)],
             )
         records.append(
             StepRecord(

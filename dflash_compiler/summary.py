@@ -70,7 +70,11 @@ def config_rows(cfg: DrafterConfig) -> list[tuple[str, str]]:
             (
                 "DSpark",
                 f"Markov {s.markov_head_type.value} rank={s.markov_rank}; confidence head "
-                + ("on" + (" (with Markov)" if s.confidence_head_with_markov else "") if s.enable_confidence_head else "off"),
+                + (
+                    "on" + (" (with Markov)" if s.confidence_head_with_markov else "")
+                    if s.enable_confidence_head
+                    else "off"
+                ),
             )
         )
     rows.append(("unknown keys (kept)", ", ".join(cfg.unknown_keys) if cfg.unknown_keys else "none"))

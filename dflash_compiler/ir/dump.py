@@ -30,7 +30,9 @@ def dump(graph: Graph) -> str:
         types = ", ".join(t.render() for t in node.outputs)
         lines.append(f"%{name} = {node.op.value}({args})" + (f" {{{attrs}}}" if attrs else "") + f" : {types}")
     for key in sorted(graph.meta):
-        lines.append(f"meta {key} = {_attr_text(graph.meta[key]) if not hasattr(graph.meta[key], 'summary') else graph.meta[key].summary()}")
+        value = graph.meta[key]
+        text = value.summary() if hasattr(value, "summary") else _attr_text(value)
+        lines.append(f"meta {key} = {text}")
     return "\n".join(lines) + "\n"
 
 

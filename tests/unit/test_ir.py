@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pass_harness import TINY, tiny
 
-from dflash_compiler.ir import Graph, Node, Op, Ref, TensorType, VerifyError, WeightCache, WeightDecl, dump, to_dot
-from dflash_compiler.ir import eval_dim, interpret, verify
+from dflash_compiler.ir import (
+    Graph,
+    Node,
+    Op,
+    Ref,
+    TensorType,
+    VerifyError,
+    WeightCache,
+    WeightDecl,
+    dump,
+    eval_dim,
+    interpret,
+    to_dot,
+    verify,
+)
 from dflash_compiler.ir.interpret import InterpretError, attention_mask
 from dflash_compiler.ir.ops import OpKind
-
-from pass_harness import TINY, tiny
 
 F32 = "float32"
 
@@ -108,9 +120,10 @@ def test_lowered_graphs_verify_and_dump(name):
 
 
 def test_lowered_graph_structure_qwen3_8b():
+    from pass_harness import EXAMPLES
+
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.lower import lower
-    from pass_harness import EXAMPLES
 
     program = lower(load_drafter_config(EXAMPLES / "qwen3-8b-dflash-b16"))
     propose = program.propose
