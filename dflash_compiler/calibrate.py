@@ -7,8 +7,9 @@ scenario, on the build's own weights, and the first input of every linear node i
 WEIGHT node the linear reads. Both phases contribute: a weight read in both (``k_proj`` reads the block
 rows in ``propose`` and the context rows in ``append_context``) gets the rows of both.
 
-Calibrate the program as it stands when ``choose_precision`` runs (after fusion), so the keys are the
-weight names that pass sees; it also falls back to checkpoint names for fused weights.
+The pipeline calibrates the lowered program, where a weight node is named after its checkpoint tensor;
+``choose_precision`` finds the rows of a fused weight (``concat_rows`` of several tensors, one shared
+input) under its sources' names, preferring the rows of its own phase (``<phase>/<name>`` keys).
 """
 
 from __future__ import annotations
@@ -57,19 +58,21 @@ class _CalibrationDrafter(GraphDrafter):
         super().__init__(program.with_phases(append, propose), tensors, num_pages, max_seq_len)
         self.rows: dict[str, list[np.ndarray]] = {}
 
-    def _keep(self, values: Mapping[str, np.ndarray], probes: Mapping[str, str]) -> None:
+    def _keep(self, phase: str, values: Mapping[str, np.ndarray], probes: Mapping[str, str]) -> None:
         for probe, weight in probes.items():
-            self.rows.setdefault(weight, []).append(np.asarray(values[probe], np.float32))
+            rows = np.asarray(values[probe], np.float32)
+            self.rows.setdefault(weight, []).append(rows)
+            self.rows.setdefault(f"{phase}/{weight}", []).append(rows)
 
     def append_context(
         self, seq_ids: Sequence[int], taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]
     ) -> None:
         super().append_context(seq_ids, taps, positions)
-        self._keep(self._scratch_append(taps, positions), self._append_probes)
+        self._keep(self.program.append_context.name, self._scratch_append(taps, positions), self._append_probes)
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         drafts = super().propose(seq_ids, anchors)
-        self._keep(self.last_values, self._propose_probes)
+        self._keep(self.program.propose.name, self.last_values, self._propose_probes)
         return drafts
 
     def _scratch_append(self, taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
@@ -112,14 +115,17 @@ def _subsample(rows: np.ndarray, max_rows: int) -> np.ndarray:
     return rows[np.unique(np.linspace(0, len(rows) - 1, max_rows).round().astype(np.int64))]
 
 
-def calibrate(
+def collect_calibration(
     program: Program, tensors: Tensors, scenario: Scenario | None = None, max_rows: int = 2048
 ) -> dict[str, np.ndarray]:
-    """``weight node name -> f32 [rows, K]``: the rows that multiplied that weight over ``scenario``."""
+    """``weight -> f32 [rows, K]``: the rows that multiplied that WEIGHT node over ``scenario``.
+
+    Each weight appears twice: under its node name (rows of both phases) and under ``<phase>/<name>``
+    (rows of that phase), so a pass that sees a fused weight can look up the rows of its phase.
+    """
     scenario = scenario or DEFAULT_SCENARIO
     cfg = program.config
     num_pages, max_seq_len = _pool_for(scenario, cfg.block_size)
     drafter = _CalibrationDrafter(program, tensors, num_pages, max_seq_len)
     run_scenario(drafter, scenario, cfg.fc_in_features, cfg.vocab_size, cfg.block_size)
     return {weight: _subsample(np.concatenate(parts), max_rows) for weight, parts in drafter.rows.items()}
-

@@ -14,8 +14,6 @@ from pydantic import BaseModel, ConfigDict
 from dflash_compiler.errors import InputError
 from dflash_compiler.options import Precision
 
-_MIB = 1024 * 1024
-
 DTYPE_BYTES: dict[str, int] = {
     "float8_e4m3fn": 1,
     "int8": 1,
@@ -39,8 +37,12 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def mib(n: int) -> str:
-    return f"{n / _MIB:.1f} MiB"
+def human_bytes(n: int) -> str:
+    """``512 B``, ``208.0 KiB``, ``70.5 MiB``, ``1.3 GiB``: readable in summaries of tiny and real drafters."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 class _Frozen(BaseModel):
@@ -98,7 +100,7 @@ class PrecisionMap(_Frozen):
         now = sum(lin.bytes for lin in self.linears)
         return (
             f"precision {self.mode.value}: {len(fp8)}/{len(self.linears)} linears fp8{worst}; "
-            f"linear weights {mib(now)} (bf16 {mib(bf16_bytes)})"
+            f"linear weights {human_bytes(now)} (bf16 {human_bytes(bf16_bytes)})"
         )
 
 
@@ -141,7 +143,7 @@ class KVCachePlan(_Frozen):
 
     def summary(self) -> str:
         return (
-            f"kv {self.num_pages} pages x {self.bytes_per_page} B = {mib(self.total_bytes)} "
+            f"kv {self.num_pages} pages x {self.bytes_per_page} B = {human_bytes(self.total_bytes)} "
             f"({self.pages_per_seq} pages/seq, {self.sequences_at_full_length} full sequences, "
             f"sized by {self.sized_by.value})"
         )
@@ -195,7 +197,7 @@ class MemoryPlan(_Frozen):
 
     def summary(self) -> str:
         share = 100 * self.arena_bytes / self.naive_bytes if self.naive_bytes else 0.0
-        return f"arena {mib(self.arena_bytes)} (naive {mib(self.naive_bytes)}, {share:.0f}%)"
+        return f"arena {human_bytes(self.arena_bytes)} (naive {human_bytes(self.naive_bytes)}, {share:.0f}%)"
 
     def render(self) -> str:
         """One line per buffer (offset order), for golden files and --dump-dir."""

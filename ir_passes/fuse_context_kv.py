@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dflash_compiler.ir.graph import Graph, Ref
 from dflash_compiler.ir.ops import Op
-from dflash_compiler.ir_passes.context import PassContext
-from dflash_compiler.ir_passes.fuse_qkv import fusable, fuse_matmuls, in_original_order, through_head_chain
+
+from ._rewrite import fusable, fuse_matmuls, in_original_order, through_head_chain
+from .context import PassContext
 
 FUSED = "ctx_kv"
 

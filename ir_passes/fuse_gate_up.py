@@ -14,15 +14,9 @@ from __future__ import annotations
 
 from dflash_compiler.ir.graph import Graph, Node, Ref
 from dflash_compiler.ir.ops import Op
-from dflash_compiler.ir_passes.context import PassContext
-from dflash_compiler.ir_passes.fuse_qkv import (
-    fusable,
-    fuse_matmuls,
-    in_original_order,
-    remove_dead,
-    replace_node,
-    sibling_name,
-)
+
+from ._rewrite import fusable, fuse_matmuls, in_original_order, remove_dead, replace_node, sibling_name
+from .context import PassContext
 
 
 def _gate_up(graph: Graph, silu_mul: str) -> list[str] | None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dflash_compiler.ir.graph import Graph, Node, Ref
 from dflash_compiler.ir.ops import Op
-from dflash_compiler.ir_passes.context import PassContext
-from dflash_compiler.ir_passes.fuse_qkv import in_original_order, replace_node
+
+from ._rewrite import in_original_order, replace_node
+from .context import PassContext
 
 
 def _residual_add(graph: Graph, norm: str) -> str | None:
@@ -32,9 +33,7 @@ def _residual_add(graph: Graph, norm: str) -> str | None:
 
 def _fuse(graph: Graph, add: str, norm: str) -> None:
     norm_node = graph.node(norm)
-    fused = Node.make(
-        Op.RMSNORM_RESIDUAL, [graph.node(add).type, norm_node.type], **norm_node.attr_dict
-    )
+    fused = Node.make(Op.RMSNORM_RESIDUAL, [graph.node(add).type, norm_node.type], **norm_node.attr_dict)
     inputs = [*graph.inputs(add), graph.inputs(norm)[1]]
     replace_node(graph, add, fused, inputs, also={Ref(norm): 1})
     graph.remove([norm])

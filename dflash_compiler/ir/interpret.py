@@ -220,7 +220,7 @@ _IMPL: dict[Op, _Impl] = {
     Op.KV_WRITE: _kv_write,
     Op.MATMUL: lambda n, a: _f32(a[0]) @ _f32(a[1]).T,
     Op.MATMUL_FP8: _matmul_fp8,
-    Op.LM_HEAD: lambda n, a: _f32(a[0]) @ _f32(a[1]).T,
+    Op.LM_HEAD: lambda n, a: _matmul_fp8(n, a) if len(a) == 3 else _f32(a[0]) @ _f32(a[1]).T,
     Op.RMSNORM: lambda n, a: _rms(a[0], a[1], float(n.attr("eps"))),
     Op.RMSNORM_RESIDUAL: _rmsnorm_residual,
     Op.HEAD_RMSNORM: _head_rmsnorm,

@@ -33,7 +33,7 @@ class Op(StrEnum):
     # linear
     MATMUL = "matmul"  # y = x @ W.T (W [N, K], bf16/fp32)
     MATMUL_FP8 = "matmul_fp8"  # y = (x @ W8.T) * scale[N] (W8 e4m3, per-output-row fp32 scale)
-    LM_HEAD = "lm_head"  # logits = x @ E.T over the target vocabulary
+    LM_HEAD = "lm_head"  # logits = x @ E.T over the target vocabulary; FP8 form (x, E8, scale)
     # norm
     RMSNORM = "rmsnorm"  # w * x / sqrt(mean(x^2) + eps) over the last dim
     RMSNORM_RESIDUAL = "rmsnorm_residual"  # (s = a + b, rmsnorm(s)): two outputs

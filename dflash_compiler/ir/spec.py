@@ -51,7 +51,7 @@ def _matmul(node: Node, ins: list[TensorType]) -> list[str]:
         _same(out.shape[-1], w.shape[0]) and _same(out.shape[0], x.shape[0]),
         f"output {out.render()} is not [{x.shape[0]}, {w.shape[0]}]",
     )
-    if node.op is Op.MATMUL_FP8:
+    if node.op is Op.MATMUL_FP8 or len(ins) == 3:  # MATMUL_FP8, or LM_HEAD's FP8 form
         errs += _expect(w.dtype == "float8_e4m3fn", f"fp8 weight has dtype {w.dtype}")
         errs += _expect(ins[2].dtype == "float32" and _same(ins[2].shape[0], w.shape[0]), "scale must be f32[N]")
     return errs
@@ -84,6 +84,15 @@ def _rope(node: Node, ins: list[TensorType]) -> list[str]:
         errs += _expect(node.has("attention_factor"), "a RoPE table input needs attention_factor")
     else:
         errs += _expect(node.has("rope"), "RoPE without a table needs the rope spec attribute")
+    return errs
+
+
+def _rmsnorm_residual(node: Node, ins: list[TensorType]) -> list[str]:
+    a, b, w = ins
+    errs = _expect(all(_same(x, y) for x, y in zip(a.shape, b.shape, strict=True)), "residual operands differ")
+    errs += _expect(len(w.shape) == 1 and _same(w.shape[0], a.shape[-1]), f"norm weight {w.render()} mismatch")
+    for out in node.outputs:
+        errs += _expect(all(_same(x, y) for x, y in zip(out.shape, a.shape, strict=True)), "outputs must match a")
     return errs
 
 
@@ -133,9 +142,9 @@ SPECS: dict[Op, OpSpec] = {
     Op.KV_WRITE: OpSpec((3, 3), ("layer", "which", "page_size"), rule=_same_as_input),
     Op.MATMUL: OpSpec((2, 2), rule=_matmul),
     Op.MATMUL_FP8: OpSpec((3, 3), rule=_matmul),
-    Op.LM_HEAD: OpSpec((2, 2), rule=_matmul),
+    Op.LM_HEAD: OpSpec((2, 3), rule=_matmul),  # (x, W) or FP8 (x, W8 e4m3 [V, H], scale f32[V])
     Op.RMSNORM: OpSpec((2, 2), ("eps",), rule=_norm),
-    Op.RMSNORM_RESIDUAL: OpSpec((3, 3), ("eps",), outputs=2),
+    Op.RMSNORM_RESIDUAL: OpSpec((3, 3), ("eps",), outputs=2, rule=_rmsnorm_residual),
     Op.HEAD_RMSNORM: OpSpec((2, 2), ("eps", "head_dim"), rule=_norm),
     Op.ROPE: OpSpec((2, 3), ("head_dim",), rule=_rope),
     Op.BLOCK_ATTENTION: OpSpec(

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pass_harness import TINY, tiny
 
 from dflash_compiler.graph_runner import GraphDrafter
 from dflash_compiler.options import BuildOptions
-
 from dflash_compiler.protocol import Scenario, run_scenario
 from dflash_compiler.reference import BatchedReference, ReferenceDrafter
-
-from pass_harness import TINY, tiny
 
 SCENARIO = Scenario(prompt_lengths=(5, 17, 30, 3), steps=12, seed=7)
 

@@ -1,0 +1,250 @@
+"""choose_precision: decide bf16 or FP8 (e4m3 rows + f32 scale) per linear weight, and record why.
+
+Precondition: a phase graph (lowered, possibly fused) whose linears are ``MATMUL`` / 2-input ``LM_HEAD``
+nodes reading a ``WEIGHT`` node at argument 1; fused weights are declarations over several checkpoint
+tensors (``concat_rows(...)``, sources may nest).
+
+Established invariant: every linear chosen FP8 reads ``(x, W8, scale)`` where ``W8`` and ``scale`` are
+``WEIGHT`` nodes declared ``fp8_e4m3_rows(<the old declaration>)[0]`` (``float8_e4m3fn [N, K]``) and
+``[1]`` (``float32 [N]``); a ``MATMUL`` becomes ``MATMUL_FP8``, an ``LM_HEAD`` keeps its op in its 3-input
+FP8 form. ``graph.meta["precision"]`` is a :class:`PrecisionMap` with one entry per linear weight of the
+phase (name, choice, measured error or None, reason). Nothing else changes.
+
+Naming (ModelOpt convention, which ``exclude`` globs match with ``fnmatch``): a linear is named by its
+checkpoint weight without ``.weight``; the target's ``target.lm_head`` is ``lm_head``. A fused weight is
+named by its sources joined with ``+`` and is FP8 only if none of its sources is excluded, because one
+packed tensor has one precision.
+
+Modes: ``bf16`` rewrites nothing; ``fp8`` converts every linear not excluded; ``auto`` quantizes each
+candidate, measures ``‖x·Ŵᵀ − x·Wᵀ‖ / ‖x·Wᵀ‖`` on the calibration rows ``x`` and keeps FP8 only where
+that is within ``fp8_error_budget``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import numpy as np
+
+from dflash_compiler.errors import Problem
+from dflash_compiler.ir.graph import Graph, Node, Ref, TensorType
+from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.weights import WeightDecl, materialize, quantize_fp8_rows
+from dflash_compiler.ir_passes._rewrite import fresh_name, in_original_order, replace_node
+from dflash_compiler.ir_passes.context import PassContext
+from dflash_compiler.options import Precision
+from dflash_compiler.plans import Choice, LinearPrecision, PlanError, PrecisionMap
+
+FP8_DTYPE = "float8_e4m3fn"
+FP8_TRANSFORM = "fp8_e4m3_rows"
+_CANDIDATE_OPS = (Op.MATMUL, Op.LM_HEAD)
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """One linear weight and the linear nodes that read it."""
+
+    weight: str
+    nodes: tuple[str, ...]
+    decl: WeightDecl
+    shape: tuple[int, int]
+    blocker: str | None  # why it cannot be converted whatever the mode (a non-linear reader, ...)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.decl.checkpoint_names()
+
+    @property
+    def name(self) -> str:
+        return "+".join(linear_name(s) for s in self.sources)
+
+
+def linear_name(checkpoint: str) -> str:
+    """``layers.0.mlp.up_proj.weight`` -> ``layers.0.mlp.up_proj``; ``target.lm_head`` -> ``lm_head``."""
+    return checkpoint.removeprefix("target.").removesuffix(".weight")
+
+
+def _is_fp8_ready(graph: Graph, name: str) -> bool:
+    node = graph.node(name)
+    return node.op in _CANDIDATE_OPS and len(graph.inputs(name)) == 2
+
+
+def _find_linears(graph: Graph) -> list[_Linear]:
+    """Candidate linears grouped by the WEIGHT they read, in topological order of their first reader."""
+    readers: dict[str, list[str]] = {}
+    for name, _ in graph.nodes_of(*_CANDIDATE_OPS):
+        weight = graph.inputs(name)[1].node
+        if _is_fp8_ready(graph, name) and graph.node(weight).op is Op.WEIGHT:
+            readers.setdefault(weight, []).append(name)
+    linears = []
+    for weight, nodes in readers.items():
+        wtype = graph.node(weight).type
+        if len(wtype.shape) != 2 or not all(isinstance(d, int) for d in wtype.shape):
+            raise PlanError(
+                "precision",
+                [Problem(weight, wtype.render(), "a static [N, K] linear weight", "declare the weight with int dims")],
+            )
+        others = sorted({dst for dst, arg in graph.users(Ref(weight)) if dst not in nodes or arg != 1})
+        blocker = f"weight also read by {others}" if others else None
+        shape = (int(wtype.shape[0]), int(wtype.shape[1]))
+        linears.append(_Linear(weight, tuple(nodes), graph.node(weight).attr("decl"), shape, blocker))
+    return linears
+
+
+def _exclusion(lin: _Linear, globs: tuple[str, ...]) -> str | None:
+    """The reason ``lin`` is kept in bf16 by ``exclude``, or None."""
+    for source in lin.sources:
+        for glob in globs:
+            if fnmatchcase(linear_name(source), glob):
+                if len(lin.sources) == 1:
+                    return f"excluded by {glob!r}"
+                return f"source {linear_name(source)!r} excluded by {glob!r}"
+    return None
+
+
+def _unmatched(linears: list[_Linear], globs: tuple[str, ...]) -> tuple[str, ...]:
+    names = [linear_name(s) for lin in linears for s in lin.sources]
+    return tuple(g for g in globs if not any(fnmatchcase(n, g) for n in names))
+
+
+def fp8_relative_error(x: np.ndarray, w: np.ndarray) -> float:
+    """``‖x·Ŵᵀ − x·Wᵀ‖_F / ‖x·Wᵀ‖_F`` with ``Ŵ`` the e4m3-rows reconstruction of ``w``."""
+    w = np.asarray(w, np.float32)
+    w8, scale = quantize_fp8_rows(w)
+    delta = w8.astype(np.float32) * scale[:, None] - w
+    x = np.asarray(x, np.float32)
+    ref = float(np.linalg.norm(x @ w.T))
+    return float(np.linalg.norm(x @ delta.T)) / ref if ref > 0 else 0.0
+
+
+def _calibration_rows(lin: _Linear, phase: str, calibration: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The rows recorded for the weight node (both phases: one decision for a weight both phases read),
+    else for its first checkpoint source in this phase, else in any phase. A fused ``concat_rows`` weight
+    multiplies the same rows each of its parts did, so its sources' rows are its rows."""
+    phased = (f"{phase}/{s}" for s in lin.sources)
+    for key in (lin.weight, *phased, *lin.sources):
+        if key in calibration:
+            return calibration[key]
+    return None
+
+
+def _measure(lin: _Linear, phase: str, ctx: PassContext) -> float | None:
+    if ctx.calibration is None or ctx.tensors is None:
+        return None
+    rows = _calibration_rows(lin, phase, ctx.calibration)
+    if rows is None:
+        return None
+    if rows.ndim != 2 or rows.shape[1] != lin.shape[1]:
+        raise PlanError(
+            "precision calibration",
+            [
+                Problem(
+                    f"calibration[{lin.weight!r}]",
+                    f"rows of shape {tuple(rows.shape)}",
+                    f"[rows, {lin.shape[1]}] (the weight is {list(lin.shape)})",
+                    "calibrate the program as it stands when choose_precision runs",
+                )
+            ],
+        )
+    return fp8_relative_error(rows, materialize(lin.decl, ctx.tensors))
+
+
+def _require_measurable(linears: list[_Linear], phase: str, ctx: PassContext) -> None:
+    """``auto`` cannot decide without numbers: refuse with what is missing (nothing to decide: no refusal)."""
+    if not linears:
+        return
+    problems = []
+    fix = (
+        "gather activations with dflash_compiler.calibrate.collect_calibration(program, tensors) and pass "
+        "PassContext(tensors=..., calibration=...) (the pipeline does so when it is given tensors), or use "
+        "precision fp8 or bf16"
+    )
+    if ctx.tensors is None:
+        problems.append(Problem("PassContext.tensors", "None", "the checkpoint tensors to quantize", fix))
+    if ctx.calibration is None:
+        problems.append(Problem("PassContext.calibration", "None", "calibration activations per weight", fix))
+    else:
+        missing = [lin.weight for lin in linears if _calibration_rows(lin, phase, ctx.calibration) is None]
+        if missing:
+            problems.append(Problem("PassContext.calibration", f"no rows for {missing}", "rows for every linear", fix))
+    if problems:
+        raise PlanError("precision auto", problems)
+
+
+def _choose(error: float | None, ctx: PassContext) -> tuple[Choice, str]:
+    """The choice for a linear that is neither excluded nor blocked, and why."""
+    budget = ctx.options.fp8_error_budget
+    if ctx.options.precision is Precision.FP8:
+        return Choice.FP8, "precision fp8"
+    if error is None:  # auto refuses earlier (_require_measurable); kept so a record never lies
+        return Choice.BF16, "not measured"
+    if error <= budget:
+        return Choice.FP8, f"error {error:.3g} <= budget {budget:g}"
+    return Choice.BF16, f"error {error:.3g} > budget {budget:g}"
+
+
+def _decide(lin: _Linear, phase: str, ctx: PassContext) -> LinearPrecision:
+    choice, error, reason = Choice.BF16, None, "precision bf16"
+    if ctx.options.precision is not Precision.BF16:
+        excluded = lin.blocker or _exclusion(lin, ctx.options.exclude)
+        if excluded is not None:
+            reason = excluded
+        else:
+            error = _measure(lin, phase, ctx)
+            choice, reason = _choose(error, ctx)
+    return LinearPrecision(
+        name=lin.name,
+        weight=lin.weight,
+        nodes=lin.nodes,
+        sources=lin.sources,
+        shape=lin.shape,
+        choice=choice,
+        error=error,
+        reason=reason,
+    )
+
+
+def _to_fp8(graph: Graph, lin: _Linear) -> dict[str, str]:
+    """Declare the e4m3 weight and its scales and point every reader at them; returns the new weights'
+    anchors (the weight they stand in for) for :func:`in_original_order`."""
+    n, k = lin.shape
+    w8 = graph.add(
+        fresh_name(graph, f"{lin.weight}.e4m3"),
+        Node.make(Op.WEIGHT, [TensorType(FP8_DTYPE, (n, k))], decl=WeightDecl(FP8_TRANSFORM, (lin.decl,), output=0)),
+    )
+    scale = graph.add(
+        fresh_name(graph, f"{lin.weight}.scale"),
+        Node.make(Op.WEIGHT, [TensorType("float32", (n,))], decl=WeightDecl(FP8_TRANSFORM, (lin.decl,), output=1)),
+    )
+    for name in lin.nodes:
+        node = graph.node(name)
+        op = Op.MATMUL_FP8 if node.op is Op.MATMUL else node.op
+        replace_node(graph, name, Node(op, node.outputs, node.attrs), [graph.inputs(name)[0], w8, scale])
+    graph.remove([lin.weight])
+    return {w8.node: lin.weight, scale.node: lin.weight}
+
+
+def choose_precision(graph: Graph, ctx: PassContext) -> Graph:
+    """Rewrite the linears chosen FP8 and record ``graph.meta["precision"]`` (see the module docstring)."""
+    out = graph.copy()
+    linears = _find_linears(out)
+    if ctx.options.precision is Precision.AUTO:
+        candidates = [lin for lin in linears if lin.blocker is None and _exclusion(lin, ctx.options.exclude) is None]
+        _require_measurable(candidates, graph.name, ctx)
+    decisions = [_decide(lin, graph.name, ctx) for lin in linears]
+    anchors: dict[str, str] = {}
+    for lin, decision in zip(linears, decisions, strict=True):
+        if decision.choice is Choice.FP8:
+            anchors |= _to_fp8(out, lin)
+    if anchors:
+        out = in_original_order(out, graph, anchors)
+    out.meta["precision"] = PrecisionMap(
+        mode=ctx.options.precision,
+        error_budget=ctx.options.fp8_error_budget if ctx.options.precision is Precision.AUTO else None,
+        exclude=ctx.options.exclude,
+        unmatched_exclude=_unmatched(linears, ctx.options.exclude),
+        linears=tuple(decisions),
+    )
+    return out

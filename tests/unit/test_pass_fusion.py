@@ -1,0 +1,349 @@
+"""The fusion passes and select_rope: golden dumps, numeric equivalence, structure, idempotence.
+
+Expected structure comes from the config and DFLASH.md (row order K0,V0,K1,V1,…; q|k|v; gate|up;
+theta^(-2j/D); YaRN's 0.1·ln(factor)+1), never from the passes' own helpers. The golden files are written
+by ``python tests/unit/golden/regenerate.py`` and reviewed by hand; the tests only compare.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pass_harness import TINY, Run, Tiny, assert_equivalent, run, tiny
+
+from dflash_compiler.errors import DFlashError
+from dflash_compiler.ir import Graph, Node, Op, Ref, TensorType, WeightCache, WeightDecl, dump, verify
+from dflash_compiler.ir_passes.context import Pass, PassContext
+from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
+from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
+from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
+from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
+from dflash_compiler.ir_passes.select_rope import RopeChoice, UnsupportedRopeError, select_rope
+from dflash_compiler.lower import Program
+from dflash_compiler.options import BuildOptions
+from dflash_compiler.rope import rope_tables
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+PASSES: dict[str, Pass] = {
+    "fuse_context_kv": fuse_context_kv,
+    "fuse_qkv": fuse_qkv,
+    "fuse_gate_up": fuse_gate_up,
+    "fuse_residual_norm": fuse_residual_norm,
+    "select_rope": select_rope,
+}
+# (pass, example, phase): the phase the pass rewrites, on tiny-dflash and on DFlash2's conv-wrapped layers.
+GOLDEN_CASES: tuple[tuple[str, str, str], ...] = (
+    ("fuse_context_kv", "tiny-dflash", "append_context"),
+    ("fuse_qkv", "tiny-dflash", "propose"),
+    ("fuse_qkv", "tiny-dflash2", "propose"),
+    ("fuse_gate_up", "tiny-dflash", "propose"),
+    ("fuse_gate_up", "tiny-dflash2", "propose"),
+    ("fuse_residual_norm", "tiny-dflash", "propose"),
+    ("fuse_residual_norm", "tiny-dflash2", "propose"),
+    ("select_rope", "tiny-dflash", "propose"),
+    ("select_rope", "tiny-dflash-yarn", "append_context"),
+)
+# Phases a pass must leave exactly as they are (the pattern does not occur there).
+UNTOUCHED = {
+    "fuse_context_kv": "propose",
+    "fuse_qkv": "append_context",
+    "fuse_gate_up": "append_context",
+    "fuse_residual_norm": "append_context",
+}
+# Fusing GEMMs changes fp32 summation order: KV differs by ~1e-6, logits of magnitude ~24 (tiny-dflash-yarn)
+# by ~2e-5. A wrong fusion (order, slice bounds, halves) changes values by O(1), far above this.
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+# helpers -------------------------------------------------------------------------------------------------
+@functools.cache
+def _tiny(name: str) -> Tiny:
+    return tiny(name)
+
+
+@functools.cache
+def _baseline(name: str) -> Run:
+    t = _tiny(name)
+    return run(t.program, t.tensors)
+
+
+def _ctx(t: Tiny) -> PassContext:
+    return PassContext(t.config, BuildOptions())
+
+
+def _apply(t: Tiny, passes: list[Pass], program: Program | None = None) -> Program:
+    program = program or t.program
+    for p in passes:
+        program = program.with_phases(p(program.append_context, _ctx(t)), p(program.propose, _ctx(t)))
+    return program
+
+
+def golden_path(pass_name: str, example: str, phase: str) -> Path:
+    return GOLDEN / f"{pass_name}.{example}.{phase}.txt"
+
+
+def golden_text(pass_name: str, example: str, phase: str) -> str:
+    """What the golden file of a case holds: the phase's dump before and after the pass."""
+    t = _tiny(example)
+    before = t.program.phases[phase]
+    after = PASSES[pass_name](before, _ctx(t))
+    header = f"# {pass_name} on {example}, phase {phase}. Regenerate: python tests/unit/golden/regenerate.py\n"
+    return f"{header}# ---- before\n{dump(before)}# ---- after\n{dump(after)}"
+
+
+def _readers(graph: Graph, ref: Ref | str) -> list[str]:
+    return [dst for dst, _ in graph.users(ref)]
+
+
+def _ops(graph: Graph, op: Op) -> list[str]:
+    return [name for name, _ in graph.nodes_of(op)]
+
+
+def _weight_of(graph: Graph, matmul: str) -> tuple[str, Node]:
+    w = graph.inputs(matmul)[1].node
+    return w, graph.node(w)
+
+
+def _source_of(graph: Graph, ref: Ref, through: tuple[Op, ...] = (Op.HEAD_RMSNORM, Op.ROPE)) -> Ref:
+    while graph.node(ref.node).op in through:
+        ref = graph.inputs(ref.node)[0]
+    return ref
+
+
+def _slice_of(graph: Graph, ref: Ref) -> tuple[str, int, int]:
+    """(sliced node, start, stop) of the SLICE a value comes from."""
+    src = _source_of(graph, ref)
+    node = graph.node(src.node)
+    assert node.op is Op.SLICE, f"{src.node} is {node.op.value}, expected a slice"
+    return graph.inputs(src.node)[0].node, int(node.attr("start")), int(node.attr("stop"))
+
+
+def _materialize(t: Tiny, node: Node) -> np.ndarray:
+    return WeightCache(t.tensors).get(node.attr("decl"))
+
+
+# (a) golden dumps ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("pass_name", "example", "phase"), GOLDEN_CASES)
+def test_golden_dump(pass_name: str, example: str, phase: str) -> None:
+    path = golden_path(pass_name, example, phase)
+    assert path.exists(), f"{path} missing: run python tests/unit/golden/regenerate.py and review it"
+    assert golden_text(pass_name, example, phase) == path.read_text(), (
+        f"{pass_name} changed the dump of {example}/{phase}; if intended, run "
+        "python tests/unit/golden/regenerate.py and review the diff"
+    )
+
+
+# (b) numeric equivalence over the multi-step protocol -------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+@pytest.mark.parametrize("pass_name", list(PASSES))
+def test_pass_preserves_numbers(pass_name: str, example: str) -> None:
+    t = _tiny(example)
+    assert_equivalent(_baseline(example), run(_apply(t, [PASSES[pass_name]]), t.tensors), **TOL)
+
+
+@pytest.mark.parametrize("example", TINY)
+def test_all_passes_in_sequence_preserve_numbers(example: str) -> None:
+    t = _tiny(example)
+    program = _apply(t, list(PASSES.values()))
+    for graph in program.phases.values():
+        verify(graph)
+    assert not _ops(program.propose, Op.ADD) and len(_readers(program.append_context, "hidden_norm")) == 1
+    assert_equivalent(_baseline(example), run(program, t.tensors), **TOL)
+
+
+# (d) idempotence, purity, untouched phases ---------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+@pytest.mark.parametrize("pass_name", list(PASSES))
+def test_pass_is_idempotent_and_pure(pass_name: str, example: str) -> None:
+    t = _tiny(example)
+    for phase, graph in t.program.phases.items():
+        before = dump(graph)
+        once = PASSES[pass_name](graph, _ctx(t))
+        assert dump(graph) == before, f"{pass_name} mutated its input {phase}"
+        verify(once)
+        assert dump(PASSES[pass_name](once, _ctx(t))) == dump(once), f"{pass_name} twice != once on {phase}"
+        if UNTOUCHED.get(pass_name) == phase:
+            assert dump(once) == before
+
+
+# (c) structure: fuse_context_kv --------------------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_context_kv_structure(example: str) -> None:
+    t = _tiny(example)
+    cfg = t.config
+    g = fuse_context_kv(t.program.append_context, _ctx(t))
+    readers = _readers(g, "hidden_norm")
+    assert len(readers) == 1 and g.node(readers[0]).op is Op.MATMUL
+    fused = readers[0]
+    kv = cfg.num_kv_heads * cfg.head_dim
+    wname, w = _weight_of(g, fused)
+    assert (fused, wname) == ("ctx_kv", "ctx_kv.weight")
+    assert w.type.shape == (cfg.num_layers * 2 * kv, cfg.hidden_size)
+    order = [f"layers.{i}.self_attn.{p}_proj.weight" for i in range(cfg.num_layers) for p in "kv"]
+    assert w.attr("decl") == WeightDecl("concat_rows", tuple(order))
+    np.testing.assert_array_equal(_materialize(t, w), np.concatenate([t.tensors[n] for n in order]))
+    assert len(_ops(g, Op.MATMUL)) == 2  # fc and the fused K/V GEMM
+    assert {n for n, _ in g.nodes_of(Op.WEIGHT)}.isdisjoint(order), "old k/v weights must be pruned"
+    for name, node in g.nodes_of(Op.KV_WRITE):
+        i, which = int(node.attr("layer")), int(node.attr("which"))
+        start = (2 * i + which) * kv
+        assert _slice_of(g, g.inputs(name)[1]) == (fused, start, start + kv), name
+
+
+# (c) structure: fuse_qkv ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_qkv_structure(example: str) -> None:
+    t = _tiny(example)
+    cfg = t.config
+    before, g = t.program.propose, fuse_qkv(t.program.propose, _ctx(t))
+    assert len(_ops(g, Op.MATMUL)) == len(_ops(before, Op.MATMUL)) - 2 * cfg.num_layers
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, node in g.nodes_of(Op.BLOCK_ATTENTION):
+        i = int(node.attr("layer"))
+        q, k, v = (_slice_of(g, ref) for ref in g.inputs(name)[:3])
+        fused = q[0]
+        assert (q, k, v) == ((fused, 0, qd), (fused, qd, qd + kvd), (fused, qd + kvd, qd + 2 * kvd))
+        x = before.inputs(_source_of(before, before.inputs(name)[0]).node)[0]  # what q_proj read
+        assert g.inputs(fused)[0] == x
+        assert [r for r in _readers(g, x) if g.node(r).op is Op.MATMUL] == [fused]
+        _, w = _weight_of(g, fused)
+        names = tuple(f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkv")
+        assert w.attr("decl") == WeightDecl("concat_rows", names) and w.type.shape == (qd + 2 * kvd, cfg.hidden_size)
+        np.testing.assert_array_equal(_materialize(t, w), np.concatenate([t.tensors[n] for n in names]))
+
+
+# (c) structure: fuse_gate_up -----------------------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_gate_up_structure(example: str) -> None:
+    t = _tiny(example)
+    cfg = t.config
+    before, g = t.program.propose, fuse_gate_up(t.program.propose, _ctx(t))
+    assert len(_ops(g, Op.MATMUL)) == len(_ops(before, Op.MATMUL)) - cfg.num_layers
+    assert len(_ops(g, Op.SLICE)) == len(_ops(before, Op.SLICE)) == 0
+    acts = _ops(g, Op.SILU_MUL)
+    assert len(acts) == cfg.num_layers
+    for i, act in enumerate(acts):
+        (src,) = g.inputs(act)
+        assert g.node(src.node).op is Op.MATMUL
+        assert g.inputs(src.node)[0] == before.inputs(before.inputs(act)[0].node)[0]  # same MLP input
+        _, w = _weight_of(g, src.node)
+        names = (f"layers.{i}.mlp.gate_proj.weight", f"layers.{i}.mlp.up_proj.weight")
+        assert w.attr("decl") == WeightDecl("concat_rows", names)
+        assert w.type.shape == (2 * cfg.intermediate_size, cfg.hidden_size)
+        assert g.node(act).type.shape[-1] == cfg.intermediate_size
+
+
+# (c) structure: fuse_residual_norm -----------------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_residual_norm_structure(example: str) -> None:
+    t = _tiny(example)
+    layers = t.config.num_layers
+    g = fuse_residual_norm(t.program.propose, _ctx(t))
+    assert not _ops(g, Op.ADD)
+    assert len(_ops(g, Op.RMSNORM_RESIDUAL)) == 2 * layers  # attn → post_norm, mlp → next input_norm / final
+    assert _ops(g, Op.RMSNORM) == ["l0.input_norm"]  # reads the embedding, not an add
+    last = g.inputs("drop_anchor")[0]
+    assert last == Ref(f"l{layers - 1}.mlp_residual", 1), "final_norm must be port 1 of the last residual"
+    assert g.inputs(last.node)[2].node == "norm.weight"
+    for name in _ops(g, Op.RMSNORM_RESIDUAL):
+        assert _readers(g, Ref(name, 1)), f"{name}: the normalised sum must replace the rmsnorm's readers"
+    # The residual stream (port 0) goes on into the next fused add.
+    assert g.inputs("l1.attn_residual")[0] == Ref("l0.mlp_residual", 0)
+
+
+def _two_norm_graph() -> Graph:
+    g = Graph("t", {"rows": "rows"})
+    f32 = TensorType("float32", ("rows", 4))
+    a = g.add("a", Node.make(Op.INPUT, [f32]))
+    b = g.add("b", Node.make(Op.INPUT, [f32]))
+    w = g.add("w", Node.make(Op.WEIGHT, [TensorType("float32", (4,))], decl=WeightDecl.of("w")))
+    s = g.add("s", Node.make(Op.ADD, [f32]), [a, b])
+    n1 = g.add("n1", Node.make(Op.RMSNORM, [f32], eps=1e-6), [s, w])
+    n2 = g.add("n2", Node.make(Op.RMSNORM, [f32], eps=1e-6), [s, w])
+    both = g.add("both", Node.make(Op.ADD, [f32]), [n1, n2])
+    g.add("out", Node.make(Op.OUTPUT, [f32]), [both])
+    return g
+
+
+def test_fuse_residual_norm_skips_an_add_with_two_norm_readers() -> None:
+    t = _tiny("tiny-dflash")
+    g = _two_norm_graph()
+    assert dump(fuse_residual_norm(g, _ctx(t))) == dump(g)
+
+
+# (c, e) structure and values: select_rope ----------------------------------------------------------------
+def _table(t: Tiny, g: Graph) -> np.ndarray:
+    ropes = _ops(g, Op.ROPE)
+    tables = {g.inputs(r)[2] for r in ropes}
+    assert len(tables) == 1, "one shared table node per phase"
+    (table,) = tables
+    node = g.node(table.node)
+    assert node.op is Op.WEIGHT and node.type == TensorType("float32", (t.config.head_dim // 2,))
+    assert not any(g.node(r).has("rope") for r in ropes)
+    return _materialize(t, node)
+
+
+@pytest.mark.parametrize("phase", ["append_context", "propose"])
+def test_select_rope_default_table(phase: str) -> None:
+    t = _tiny("tiny-dflash")
+    d = t.config.head_dim
+    g = select_rope(t.program.phases[phase], _ctx(t))
+    expected = 10000.0 ** (-np.arange(0, d, 2) / d)  # DFLASH.md §1.3: theta^(-2j/D)
+    np.testing.assert_allclose(_table(t, g), expected.astype(np.float32), rtol=1e-7)
+    assert {g.node(r).attr("attention_factor") for r in _ops(g, Op.ROPE)} == {1.0}
+    choice = g.meta["rope"]
+    assert isinstance(choice, RopeChoice)
+    assert (choice.rope_type.value, choice.theta, choice.attention_factor, choice.table_length) == (
+        "default",
+        10000.0,
+        1.0,
+        d // 2,
+    )
+
+
+@pytest.mark.parametrize("phase", ["append_context", "propose"])
+def test_select_rope_yarn_table_and_attention_factor(phase: str) -> None:
+    t = _tiny("tiny-dflash-yarn")
+    g = select_rope(t.program.phases[phase], _ctx(t))
+    inv_freq, _ = rope_tables(t.config.rope, t.config.head_dim)
+    np.testing.assert_array_equal(_table(t, g), inv_freq.astype(np.float32))
+    factor = 0.1 * math.log(4.0) + 1.0  # YaRN mscale for factor 4 (the example's rope_parameters)
+    (found,) = {g.node(r).attr("attention_factor") for r in _ops(g, Op.ROPE)}
+    assert found == pytest.approx(factor, rel=1e-12)
+    choice = g.meta["rope"]
+    assert choice.rope_type.value == "yarn" and choice.theta == 1e6 and choice.table_length == 6
+    assert choice.attention_factor == pytest.approx(factor)
+    assert "yarn" in dump(g).splitlines()[-1]
+
+
+def _with_rope_type(graph: Graph, node: str, rope_type: str) -> Graph:
+    g = graph.copy()
+    spec = dict(g.node(node).attr("rope")) | {"rope_type": rope_type}
+    g.set_node(node, g.node(node).with_attrs(rope=spec))
+    return g
+
+
+@pytest.mark.parametrize("variant", ["llama3", "dynamic"])
+def test_select_rope_refuses_unknown_variants(variant: str) -> None:
+    t = _tiny("tiny-dflash")
+    g = _with_rope_type(t.program.append_context, "l1.ctx_k_rope", variant)
+    with pytest.raises(UnsupportedRopeError) as info:
+        select_rope(g, _ctx(t))
+    message = str(info.value)
+    assert isinstance(info.value, DFlashError)
+    for part in ("'l1.ctx_k_rope'", f"'{variant}'", "'default', 'linear', 'yarn'", "Fix:"):
+        assert part in message, (part, message)
+
+
+def test_select_rope_refuses_yarn_without_original_length() -> None:
+    t = _tiny("tiny-dflash-yarn")
+    g = t.program.append_context.copy()
+    node = g.node("l0.ctx_k_rope")
+    spec = dict(node.attr("rope")) | {"original_max_position_embeddings": None}
+    g.set_node("l0.ctx_k_rope", node.with_attrs(rope=spec))
+    with pytest.raises(UnsupportedRopeError, match=r"'l0\.ctx_k_rope'.*original_max_position_embeddings"):
+        select_rope(g, _ctx(t))
