@@ -1,5 +1,6 @@
 # Two entry points, both self-contained on a fresh machine:
-#   make demo   creates .venv, installs, validates and builds the bundled tiny drafter
+#   make demo   creates .venv, installs, writes the bundled tiny drafter + target, validates them and
+#               plans the build (graph passes, KV cache, memory), dumping the graph after every pass
 #   make test   creates .venv, installs, lints and runs the test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -19,6 +20,8 @@ demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(VENV)/bin/dflash-compile make-example tiny-dflash $(DEMO)/checkpoint --seed 0
 	$(VENV)/bin/dflash-compile validate $(DEMO)/checkpoint/drafter --target-model $(DEMO)/checkpoint/target
+	$(VENV)/bin/dflash-compile plan $(DEMO)/checkpoint/drafter --target-model $(DEMO)/checkpoint/target \
+		--max-batch 4 --max-seq-len 1024 --dump-dir $(DEMO)/graphs
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

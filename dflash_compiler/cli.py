@@ -90,6 +90,94 @@ def make_example(
 
 
 @app.command()
+def plan(
+    drafter_dir: Annotated[Path, typer.Argument(help="HF drafter directory (config.json [+ *.safetensors])")],
+    target_model: Annotated[
+        Path | None, typer.Option("--target-model", help="target model directory (needed for precision auto)")
+    ] = None,
+    block_size: Annotated[int | None, typer.Option(help="serve with this block size")] = None,
+    max_batch: Annotated[int, typer.Option(help="sequences per propose step")] = 16,
+    max_seq_len: Annotated[int, typer.Option(help="longest sequence the KV cache admits")] = 8192,
+    max_ctx_rows: Annotated[int, typer.Option(help="most context rows one append takes")] = 512,
+    precision: Annotated[str, typer.Option(help="bf16, fp8 or auto")] = "bf16",
+    exclude: Annotated[list[str] | None, typer.Option(help="glob of linears kept in bf16 (repeatable)")] = None,
+    kv_budget_bytes: Annotated[int | None, typer.Option(help="size the KV pool from a byte budget")] = None,
+    dump_dir: Annotated[
+        Path | None, typer.Option("--dump-dir", help="write every phase's graph after each step")
+    ] = None,
+) -> None:
+    """Lower the drafter, run every graph pass and print the KV-cache, precision and memory plans."""
+    from pydantic import ValidationError
+
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.errors import Problem
+    from dflash_compiler.options import BuildOptions
+    from dflash_compiler.pipeline import optimize
+
+    try:
+        cfg = load_drafter_config(drafter_dir)
+        try:
+            options = BuildOptions(
+                block_size=block_size,
+                max_batch=max_batch,
+                max_seq_len=max_seq_len,
+                max_ctx_rows=max_ctx_rows,
+                precision=precision,
+                exclude=tuple(exclude or ()),
+                kv_budget_bytes=kv_budget_bytes,
+            )
+        except ValidationError as err:
+            raise InputError(
+                "build options",
+                [
+                    Problem(".".join(map(str, e["loc"])) or "options", repr(e.get("input")), e["msg"], "fix the option")
+                    for e in err.errors()
+                ],
+            ) from None
+        tensors = _checkpoint_tensors(cfg, drafter_dir, target_model)
+        program = optimize(
+            cfg,
+            options,
+            tensors=tensors,
+            dump_dir=dump_dir,
+            on_step=lambda label: console.print(f"  pass [bold]{label}[/] done"),
+        )
+    except InputError as error:
+        raise _fail(error) from None
+    rows = []
+    for phase, graph in program.phases.items():
+        rows.append((f"{phase} nodes", str(len(graph))))
+        for key in ("kv_cache", "precision", "memory"):
+            if key in graph.meta and not (key == "kv_cache" and phase != "propose"):
+                rows.append((f"{phase} {key}", graph.meta[key].summary()))
+    _print_rows(f"plan {drafter_dir}", rows)
+    if dump_dir is not None:
+        console.print(f"graphs written to [bold]{dump_dir}[/]")
+
+
+def _checkpoint_tensors(cfg, drafter_dir: Path, target_model: Path | None):
+    """A tensor source over the drafter checkpoint and the target's embed/lm_head, when both are there."""
+    from dflash_compiler.target_model import check_target, load_target
+    from dflash_compiler.weights import WeightSet, check_drafter_weights, has_safetensors
+
+    if target_model is None or not has_safetensors(drafter_dir):
+        return None
+    ws = WeightSet(drafter_dir)
+    report = check_drafter_weights(cfg, ws, check_values=False)
+    target = load_target(target_model, cfg)
+    check_target(cfg, target, check_values=False)
+
+    def tensor(name: str):
+        if name == "target.embed_tokens":
+            return target.embed_tokens(as_f32=True)
+        if name == "target.lm_head":
+            return target.lm_head(as_f32=True)
+        return ws.get_f32(report.stored_names.get(name, name))
+
+    return tensor
+
+
+@app.command()
 def examples() -> None:
     """List the bundled example drafters."""
     from dflash_compiler.checkpoint import example_config_path, list_examples

@@ -104,3 +104,27 @@ def test_target_mismatch_exit_1(checkpoint, tmp_path):
 def test_missing_directory(tmp_path):
     result = invoke("validate", tmp_path / "nowhere")
     assert result.exit_code == 1 and "no such file" in result.output
+
+
+def test_plan_prints_plans_and_dumps_every_step(tmp_path):
+    result = invoke(
+        "plan", EXAMPLES / "qwen3-8b-dflash-b16", "--max-batch", "8", "--max-seq-len", "4096", "--dump-dir", tmp_path
+    )
+    assert result.exit_code == 0, result.output
+    assert "kv 2065 pages x 327680 B" in result.output
+    assert "propose memory" in result.output and "naive" in result.output
+    dumps = sorted(p.name for p in tmp_path.iterdir())
+    assert len(dumps) == 2 * 9  # lowering + 8 passes, both phases
+    assert dumps[0] == "00_lower.append_context.txt" and dumps[-1] == "08_plan_memory.propose.txt"
+    assert "matmul" in (tmp_path / "01_fuse_context_kv.append_context.txt").read_text()
+
+
+def test_plan_fp8_with_weights_and_bad_options(checkpoint):
+    drafter, target = checkpoint / "drafter", checkpoint / "target"
+    result = invoke("plan", drafter, "--target-model", target, "--precision", "auto")
+    assert result.exit_code == 0, result.output
+    assert "precision auto" in result.output
+    bad = invoke("plan", drafter, "--precision", "int4")
+    assert bad.exit_code == 1 and "precision" in bad.output and "Traceback" not in bad.output
+    bad = invoke("plan", drafter, "--exclude", "lm_head")
+    assert bad.exit_code == 1 and "exclude only applies" in bad.output
