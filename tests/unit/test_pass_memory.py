@@ -2,7 +2,7 @@
 
 What counts as scratch, when a value is live and how big it is are recomputed here from the graph (the
 rules in the pass's docstring), so the checks do not reuse the pass's own bookkeeping. Golden plan
-renders are written by ``python tests/unit/golden/regenerate_plan_memory.py`` and reviewed by hand.
+renders are written by ``python tests/unit/golden/regenerate.py`` and reviewed by hand.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def golden_text(example: str, phase: str) -> str:
     _, out = planned(example, GOLDEN_OPTIONS)[phase]
     header = (
         f"# plan_memory on {example}, phase {phase}, max_batch 4, max_seq_len 256, max_ctx_rows 64. "
-        "Regenerate: python tests/unit/golden/regenerate_plan_memory.py\n"
+        "Regenerate: python tests/unit/golden/regenerate.py\n"
     )
     return header + memory(out).render()
 
@@ -201,8 +201,8 @@ def golden_text(example: str, phase: str) -> str:
 @pytest.mark.parametrize(("example", "phase"), GOLDEN_CASES)
 def test_golden_plan(example: str, phase: str) -> None:
     path = golden_path(example, phase)
-    assert path.exists(), f"{path} missing: run python tests/unit/golden/regenerate_plan_memory.py"
+    assert path.exists(), f"{path} missing: run python tests/unit/golden/regenerate.py"
     assert golden_text(example, phase) == path.read_text(), (
         f"{path.name} differs: if the change is intended, run "
-        "python tests/unit/golden/regenerate_plan_memory.py and review the diff"
+        "python tests/unit/golden/regenerate.py and review the diff"
     )

@@ -2,7 +2,7 @@
 
 Expected names and bounds come from the config's layer list and e4m3's format (3 mantissa bits, max 448),
 never from the pass's own helpers. Golden files are written by
-``python tests/unit/golden/regenerate_choose_precision.py`` and reviewed by hand; the tests only compare.
+``python tests/unit/golden/regenerate.py`` and reviewed by hand; the tests only compare.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def golden_text(example: str, phase: str) -> str:
     after = choose_precision(before, ctx)
     header = (
         f"# choose_precision on {example}, phase {phase}, precision fp8, exclude ['layers.0.*']. "
-        "Regenerate: python tests/unit/golden/regenerate_choose_precision.py\n"
+        "Regenerate: python tests/unit/golden/regenerate.py\n"
     )
     return header + "# ---- before\n" + dump(before) + "# ---- after\n" + dump(after)
 
@@ -134,10 +134,10 @@ def run_steps(program: Program, tensors: dict[str, np.ndarray]) -> tuple[list[np
 @pytest.mark.parametrize(("example", "phase"), GOLDEN_CASES)
 def test_golden_dump(example: str, phase: str) -> None:
     path = golden_path(example, phase)
-    assert path.exists(), f"{path} missing: run python tests/unit/golden/regenerate_choose_precision.py"
+    assert path.exists(), f"{path} missing: run python tests/unit/golden/regenerate.py"
     assert golden_text(example, phase) == path.read_text(), (
         f"{path.name} differs: if the change is intended, run "
-        "python tests/unit/golden/regenerate_choose_precision.py and review the diff"
+        "python tests/unit/golden/regenerate.py and review the diff"
     )
 
 
