@@ -13,15 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_compiler.codegen import (
-    CodegenError,
-    CudaModule,
-    UnsafeExpressionError,
-    compile_expression,
-    cubin_arch,
-    evaluate,
-    expression_names,
-)
+from dflash_compiler.codegen import CodegenError, CudaModule
+from dflash_compiler.cubin import CubinError, cubin_arch
+from dflash_compiler.runtime.expr import UnsafeExpressionError, compile_expression, evaluate, expression_names
 from dflash_compiler.targets import SM90, TARGETS
 
 # ------------------------------------------------------------------------------ evaluator (no TVM needed)
@@ -100,12 +94,12 @@ def test_compiled_expression_is_reusable():
 
 
 def test_cubin_arch_rejects_non_cubins():
-    with pytest.raises(CodegenError, match="expected an ELF"):
+    with pytest.raises(CubinError, match="expected an ELF"):
         cubin_arch(b"not an elf file at all, certainly not a cubin" * 2)
     x86 = bytearray(64)
     x86[:6] = b"\x7fELF\x02\x01"
     x86[18] = 62  # EM_X86_64
-    with pytest.raises(CodegenError, match="EM_CUDA"):
+    with pytest.raises(CubinError, match="EM_CUDA"):
         cubin_arch(bytes(x86))
 
 
@@ -163,7 +157,7 @@ def lowered():
 
 @pytest.fixture(scope="module")
 def cubins(lowered):
-    from dflash_compiler.codegen import compile_cubin
+    from dflash_compiler.nvrtc import compile_cubin
 
     return {arch: compile_cubin(lowered[0].source, arch) for arch in ARCHS}
 
@@ -354,7 +348,7 @@ def test_elf_reading_agrees_with_cuobjdump(cubins, tmp_path):
 
 def test_nvrtc_errors_carry_the_log():
     pytest.importorskip("cuda.bindings.nvrtc")
-    from dflash_compiler.codegen import compile_cubin
+    from dflash_compiler.nvrtc import compile_cubin
 
     source = 'extern "C" __global__ void broken(float* x) { x[0] = undefined_symbol_42; }'
     with pytest.raises(CodegenError, match="undefined_symbol_42") as err:
@@ -369,7 +363,7 @@ def test_nvrtc_errors_carry_the_log():
 
 def test_fast_math_is_opt_in():
     pytest.importorskip("cuda.bindings.nvrtc")
-    from dflash_compiler.codegen import compile_cubin
+    from dflash_compiler.nvrtc import compile_cubin
 
     source = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = expf(x[threadIdx.x]); }'
     with pytest.raises(CodegenError, match="--use_fast_math"):
