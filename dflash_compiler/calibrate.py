@@ -127,5 +127,5 @@ def collect_calibration(
     cfg = program.config
     num_pages, max_seq_len = _pool_for(scenario, cfg.block_size)
     drafter = _CalibrationDrafter(program, tensors, num_pages, max_seq_len)
-    run_scenario(drafter, scenario, cfg.fc_in_features, cfg.vocab_size, cfg.block_size)
+    run_scenario(drafter, cfg, scenario)
     return {weight: _subsample(np.concatenate(parts), max_rows) for weight, parts in drafter.rows.items()}

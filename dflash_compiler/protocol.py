@@ -1,21 +1,27 @@
-"""The multi-step drafting protocol (DFLASH.md §2), driven identically against any drafter.
+"""The multi-step drafting protocol (DFLASH.md §2), scripted in advance and driven against any drafter.
 
-A scenario is deterministic in its seed: several sequences with different prompt lengths are
-prefilled; every step proposes for all live sequences, accepts a random prefix ``a`` of each, appends
-the taps of the ``a + 1`` committed rows at ``p0 .. p0 + a`` and moves the anchor to ``p0 + a + 1``. Some
-steps first append taps for the whole block and roll back to the committed length (as serving engines do
-in padded mode); one step frees a sequence and admits a new one, so freed pages are reused. The numpy
-reference, the interpreted graphs and the GPU runtime all implement :class:`DrafterLike`, so their
-drafts can be compared step by step.
+A sequence's :class:`SequenceScript` fixes everything a target would feed the drafter: the prompt's taps
+and, per round, the anchor, the taps of all ``B`` verified rows and the accepted count ``a``. Rounds commit
+rows ``p0 .. p0 + a`` and move the anchor to ``p0 + a + 1``. Draft tokens never feed back, so two drafters
+that split a near-tie differently still see identical inputs in every later round.
+
+:func:`run_scenario` drives a batched drafter (:class:`DrafterLike`: the numpy reference behind
+:class:`~dflash_compiler.reference.BatchedReference`, the interpreted graphs, the GPU runtime) through
+several scripted sequences of different prompt lengths in lockstep. Some rounds append the whole verified
+block and roll back to the committed length (serving engines' padded mode); that must give the same
+drafts as appending only the committed rows. One round may free a sequence and admit a new one, so freed
+pages are reused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
+
+from dflash_compiler.config import DrafterConfig
 
 
 class DraftsLike(Protocol):
@@ -35,12 +41,73 @@ class DrafterLike(Protocol):
 
 
 @dataclass(frozen=True)
+class ScriptStep:
+    """One round: propose at ``p0`` from ``anchor``; the target then returns ``verify_taps [B, F]`` for the
+    rows ``p0 .. p0+B-1`` and accepts ``accepted`` drafts, committing rows ``p0 .. p0+accepted``."""
+
+    p0: int
+    anchor: int
+    verify_taps: np.ndarray
+    accepted: int
+
+    @property
+    def committed_taps(self) -> np.ndarray:
+        return self.verify_taps[: self.accepted + 1]
+
+    @property
+    def committed_positions(self) -> np.ndarray:
+        return self.p0 + np.arange(self.accepted + 1, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class SequenceScript:
+    """Everything one sequence feeds a drafter, fixed in advance: the prompt's taps and the rounds."""
+
+    prompt_taps: np.ndarray
+    steps: tuple[ScriptStep, ...]
+
+    def context_before(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """All committed context rows visible at round ``step``: ``(taps [S, F], positions [S])``."""
+        taps = [self.prompt_taps] + [s.committed_taps for s in self.steps[:step]]
+        positions = [np.arange(self.prompt_taps.shape[0], dtype=np.int64)]
+        positions += [s.committed_positions for s in self.steps[:step]]
+        return np.concatenate(taps), np.concatenate(positions)
+
+
+def _random_token(rng: np.random.Generator, cfg: DrafterConfig) -> int:
+    token = int(rng.integers(0, cfg.vocab_size))
+    return (token + 1) % cfg.vocab_size if token == cfg.mask_token_id else token
+
+
+def make_script(cfg: DrafterConfig, prompt_length: int, steps: int, seed: int, index: int = 0) -> SequenceScript:
+    """Deterministic inputs of one sequence, drawn from ``(seed, index)``.
+
+    Taps are N(0, 1) float32. Every round gets fresh taps for all ``B`` verified rows, so the rows of
+    rejected tokens differ from the rows later committed at the same positions (as with a real target): a
+    drafter that fails to drop them diverges.
+    """
+    if prompt_length < 1:
+        raise ValueError("prompts need at least one token")
+    rng = np.random.default_rng([seed, index])
+    features, block = cfg.fc_in_features, cfg.block_size
+    prompt = rng.standard_normal((prompt_length, features)).astype(np.float32)
+    p0, rounds = prompt_length, []
+    for _ in range(steps):
+        anchor = _random_token(rng, cfg)
+        verify = rng.standard_normal((block, features)).astype(np.float32)
+        accepted = int(rng.integers(0, cfg.gamma + 1))
+        rounds.append(ScriptStep(p0=p0, anchor=anchor, verify_taps=verify, accepted=accepted))
+        p0 += accepted + 1
+    return SequenceScript(prompt_taps=prompt, steps=tuple(rounds))
+
+
+@dataclass(frozen=True)
 class Scenario:
     prompt_lengths: tuple[int, ...] = (5, 17, 30, 3)
     steps: int = 10
     seed: int = 0
-    rollback_every: int = 3  # every k-th step appends the whole block, then rolls back
-    replace_at: int | None = 4  # at this step, free the first sequence and admit a new one
+    padded_every: int = 3  # every k-th round appends the whole verified block, then rolls back (0: never)
+    replace_at: int | None = 4  # at this round, free the first live sequence and admit a new one
     replacement_prompt: int = 21
 
 
@@ -52,61 +119,61 @@ class StepRecord:
     tokens: np.ndarray  # [nb, gamma]
     confidences: np.ndarray | None
     accepted: tuple[int, ...]
+    drafts: Any  # what the drafter returned, for finer comparisons (e.g. the reference's proposals)
 
 
-def run_scenario(
-    drafter: DrafterLike, scenario: Scenario, fc_in_features: int, vocab_size: int, block_size: int
-) -> list[StepRecord]:
-    rng = np.random.default_rng(scenario.seed)
-    gamma = block_size - 1
+@dataclass
+class ScenarioRun:
+    """The scripts by sequence id, the round each sequence joined at, and one record per round."""
 
-    def taps(n: int) -> np.ndarray:
-        return rng.standard_normal((n, fc_in_features)).astype(np.float32)
+    scripts: dict[int, SequenceScript] = field(default_factory=dict)
+    joined: dict[int, int] = field(default_factory=dict)
+    records: list[StepRecord] = field(default_factory=list)
 
-    anchors: dict[int, int] = {}
+    def script_step(self, seq_id: int, step: int) -> int:
+        """Index into ``scripts[seq_id].steps`` of scenario round ``step``."""
+        return step - self.joined[seq_id]
 
-    def admit(seq_id: int, prompt: int) -> None:
+
+def run_scenario(drafter: DrafterLike, cfg: DrafterConfig, scenario: Scenario) -> ScenarioRun:
+    run = ScenarioRun()
+
+    def admit(seq_id: int, prompt: int, at: int) -> None:
+        script = make_script(cfg, prompt, scenario.steps - at, scenario.seed, seq_id)
+        run.scripts[seq_id], run.joined[seq_id] = script, at
         drafter.create(seq_id)
-        drafter.append_context([seq_id], [taps(prompt)], [np.arange(prompt)])
-        anchors[seq_id] = int(rng.integers(vocab_size))
+        drafter.append_context([seq_id], [script.prompt_taps], [np.arange(prompt)])
 
     for seq_id, prompt in enumerate(scenario.prompt_lengths):
-        admit(seq_id, prompt)
-    next_id = len(scenario.prompt_lengths)
-    records = []
+        admit(seq_id, prompt, 0)
+    live = list(range(len(scenario.prompt_lengths)))
     for step in range(scenario.steps):
         if scenario.replace_at is not None and step == scenario.replace_at:
-            victim = min(anchors)
-            drafter.free(victim)
-            del anchors[victim]
-            admit(next_id, scenario.replacement_prompt)
-            next_id += 1
-        seq_ids = sorted(anchors)
-        drafts = drafter.propose(seq_ids, [anchors[s] for s in seq_ids])
-        accepted = tuple(int(rng.integers(gamma + 1)) for _ in seq_ids)
-        p0 = [drafter.length(s) for s in seq_ids]
-        if scenario.rollback_every and step % scenario.rollback_every == scenario.rollback_every - 1:
-            # Taps for the whole verified block, then crop to the committed rows.
-            block_taps = [taps(block_size) for _ in seq_ids]
-            drafter.append_context(seq_ids, block_taps, [np.arange(p, p + block_size) for p in p0])
-            for s, p, a in zip(seq_ids, p0, accepted, strict=True):
-                drafter.rollback(s, p + a + 1)
-        else:
+            drafter.free(live.pop(0))
+            admit(len(run.scripts), scenario.replacement_prompt, step)
+            live.append(len(run.scripts) - 1)
+        rounds = [run.scripts[s].steps[run.script_step(s, step)] for s in live]
+        for s, r in zip(live, rounds, strict=True):
+            if drafter.length(s) != r.p0:
+                raise AssertionError(f"sequence {s} holds {drafter.length(s)} rows, the script expects {r.p0}")
+        drafts = drafter.propose(live, [r.anchor for r in rounds])
+        if scenario.padded_every and step % scenario.padded_every == scenario.padded_every - 1:
             drafter.append_context(
-                seq_ids,
-                [taps(a + 1) for a in accepted],
-                [np.arange(p, p + a + 1) for p, a in zip(p0, accepted, strict=True)],
+                live, [r.verify_taps for r in rounds], [r.p0 + np.arange(len(r.verify_taps)) for r in rounds]
             )
-        records.append(
+            for s, r in zip(live, rounds, strict=True):
+                drafter.rollback(s, r.p0 + r.accepted + 1)
+        else:
+            drafter.append_context(live, [r.committed_taps for r in rounds], [r.committed_positions for r in rounds])
+        run.records.append(
             StepRecord(
                 step,
-                tuple(seq_ids),
-                tuple(anchors[s] for s in seq_ids),
+                tuple(live),
+                tuple(r.anchor for r in rounds),
                 np.asarray(drafts.tokens),
                 None if drafts.confidences is None else np.asarray(drafts.confidences),
-                accepted,
+                tuple(r.accepted for r in rounds),
+                drafts,
             )
         )
-        for s in seq_ids:
-            anchors[s] = int(rng.integers(vocab_size))
-    return records
+    return run

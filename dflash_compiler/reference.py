@@ -8,9 +8,9 @@ public so tests (and later kernel tests) can check them one at a time:
   :func:`top_k_candidates` — the math of one op each;
 * :class:`ReferenceDrafter` — the drafter: context K/V into a per-sequence :class:`ContextCache`, then
   ``propose`` runs the block ``[anchor, MASK × (B-1)]`` and the family's token head;
-* :func:`make_script` / :func:`run_script` / :func:`run_protocol` — the multi-step protocol of §2
-  (prefill, propose, accept a prefix, append the committed rows, repeat), driven by a drafter-independent
-  script so a compiled drafter can replay exactly the same inputs.
+* :class:`BatchedReference` — the same drafter behind the batched seq-id surface that
+  :func:`dflash_compiler.protocol.run_scenario` drives (the multi-step protocol of §2), like every
+  compiled path.
 
 Conventions: weights are keyed by checkpoint tensor names (:func:`~dflash_compiler.tensors.expected_drafter_tensors`)
 and cast to float32 once; activations stay float32 throughout. Positions are absolute token positions.
@@ -19,8 +19,8 @@ and cast to float32 once; activations stay float32 throughout. Positions are abs
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,25 +34,17 @@ F32 = np.float32
 __all__ = [
     "BatchedDrafts",
     "BatchedReference",
-    "CacheDrafterLike",
     "ContextCache",
     "ConvWeights",
     "LayerWeights",
     "Proposal",
-    "ProtocolRun",
     "ReferenceDrafter",
-    "ScriptStep",
-    "SequenceScript",
-    "StepResult",
     "attend",
     "attention",
     "attention_visibility",
     "dynamic_conv",
-    "make_script",
     "rms_norm",
     "rope",
-    "run_protocol",
-    "run_script",
     "silu",
     "to_f32",
     "top_k_candidates",
@@ -541,146 +533,6 @@ class ReferenceDrafter:
             return Proposal(tokens, None, logits, hn, decision_scores=scores, candidates=candidates)
         tokens = np.argmax(logits, axis=-1).astype(np.int64)
         return Proposal(tokens, None, logits, hn, decision_scores=logits)
-
-
-# --------------------------------------------------------------------------------------------------
-# The step protocol (DFLASH.md §2)
-# --------------------------------------------------------------------------------------------------
-
-
-class CacheDrafterLike(Protocol):
-    """What :func:`run_script` drives: the reference, or any drafter with the same per-cache surface.
-
-    (:mod:`dflash_compiler.protocol` drives the batched, seq-id surface instead; :class:`BatchedReference`
-    adapts the reference to it.)
-    """
-
-    cfg: DrafterConfig
-
-    def new_cache(self) -> Any: ...
-    def append_context(self, cache: Any, taps: np.ndarray, positions: np.ndarray) -> None: ...
-    def propose(self, cache: Any, anchor: int, p0: int) -> Proposal: ...
-    def rollback(self, cache: Any, length: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class ScriptStep:
-    """One round: propose at ``p0`` from ``anchor``; the target then returns ``verify_taps [B, F]`` for the
-    rows ``p0 .. p0+B-1`` and accepts ``accepted`` drafts, committing rows ``p0 .. p0+accepted``."""
-
-    p0: int
-    anchor: int
-    verify_taps: np.ndarray
-    accepted: int
-
-    @property
-    def committed_taps(self) -> np.ndarray:
-        return self.verify_taps[: self.accepted + 1]
-
-    @property
-    def committed_positions(self) -> np.ndarray:
-        return self.p0 + np.arange(self.accepted + 1, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class SequenceScript:
-    """Everything one sequence feeds a drafter, fixed in advance: the prompt's taps and the rounds."""
-
-    prompt_taps: np.ndarray
-    steps: tuple[ScriptStep, ...]
-
-    def context_before(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """All committed context rows visible at round ``step``: ``(taps [S, F], positions [S])``."""
-        taps = [self.prompt_taps] + [s.committed_taps for s in self.steps[:step]]
-        positions = [np.arange(self.prompt_taps.shape[0], dtype=np.int64)]
-        positions += [s.committed_positions for s in self.steps[:step]]
-        return np.concatenate(taps), np.concatenate(positions)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    p0: int
-    anchor: int
-    proposal: Proposal
-
-
-@dataclass(frozen=True)
-class ProtocolRun:
-    """The script and, per sequence, the per-round results of driving one drafter through it."""
-
-    scripts: tuple[SequenceScript, ...]
-    results: tuple[tuple[StepResult, ...], ...] = field(default_factory=tuple)
-
-
-def _random_token(rng: np.random.Generator, cfg: DrafterConfig) -> int:
-    token = int(rng.integers(0, cfg.vocab_size))
-    return (token + 1) % cfg.vocab_size if token == cfg.mask_token_id else token
-
-
-def make_script(cfg: DrafterConfig, prompt_lengths: Sequence[int], steps: int, seed: int) -> tuple[SequenceScript, ...]:
-    """Deterministic protocol inputs for several sequences, independent of any drafter's output.
-
-    Taps are N(0, 1) float32 from ``(seed, sequence index)``; each round's anchor (the target's bonus or
-    correction token) and accepted count ``a ∈ [0, γ]`` are drawn from the same stream. Every round gets
-    fresh taps for all ``B`` verified rows, so the rows of rejected tokens differ from the rows later
-    committed at the same positions (as with a real target): a drafter that fails to drop them diverges.
-    Draft token identities do not feed back, so a compiled drafter that disagrees on a near-tie still
-    sees the same inputs in every later round.
-    """
-    scripts = []
-    features, block = cfg.fc_in_features, cfg.block_size
-    for index, length in enumerate(prompt_lengths):
-        if length < 1:
-            raise ValueError("prompts need at least one token")
-        rng = np.random.default_rng([seed, index])
-        prompt = rng.standard_normal((length, features)).astype(F32)
-        p0, rounds = int(length), []
-        for _ in range(steps):
-            anchor = _random_token(rng, cfg)
-            verify = rng.standard_normal((block, features)).astype(F32)
-            accepted = int(rng.integers(0, cfg.gamma + 1))
-            rounds.append(ScriptStep(p0=p0, anchor=anchor, verify_taps=verify, accepted=accepted))
-            p0 += accepted + 1
-        scripts.append(SequenceScript(prompt_taps=prompt, steps=tuple(rounds)))
-    return tuple(scripts)
-
-
-def run_script(
-    drafter: CacheDrafterLike, scripts: Sequence[SequenceScript], *, padded: bool = False
-) -> tuple[tuple[StepResult, ...], ...]:
-    """Drive ``drafter`` through ``scripts``, round-robin over the sequences (each with its own cache).
-
-    Prefill appends the prompt rows at ``0 .. n-1``. Each round proposes at ``p0``, then appends the
-    committed rows at ``p0 .. p0+a``. With ``padded`` it appends all ``B`` verified rows (the rejected ones
-    too, as vLLM's padded mode writes them) and rolls back to ``p0+a+1``; both modes must agree.
-    """
-    caches = [drafter.new_cache() for _ in scripts]
-    for cache, script in zip(caches, scripts, strict=True):
-        n = script.prompt_taps.shape[0]
-        drafter.append_context(cache, script.prompt_taps, np.arange(n, dtype=np.int64))
-    results: list[list[StepResult]] = [[] for _ in scripts]
-    rounds = max((len(s.steps) for s in scripts), default=0)
-    for r in range(rounds):
-        for cache, script, out in zip(caches, scripts, results, strict=True):
-            if r >= len(script.steps):
-                continue
-            step = script.steps[r]
-            out.append(StepResult(step.p0, step.anchor, drafter.propose(cache, step.anchor, step.p0)))
-            if padded:
-                rows = step.verify_taps.shape[0]
-                drafter.append_context(cache, step.verify_taps, step.p0 + np.arange(rows, dtype=np.int64))
-                drafter.rollback(cache, step.p0 + step.accepted + 1)
-            else:
-                drafter.append_context(cache, step.committed_taps, step.committed_positions)
-    return tuple(tuple(r) for r in results)
-
-
-def run_protocol(
-    drafter: CacheDrafterLike, prompt_lengths: Sequence[int], steps: int, seed: int, *, padded: bool = False
-) -> ProtocolRun:
-    """:func:`make_script` then :func:`run_script`; the returned run carries the script for replays."""
-    scripts = make_script(drafter.cfg, prompt_lengths, steps, seed)
-    return ProtocolRun(scripts=scripts, results=run_script(drafter, scripts, padded=padded))
 
 
 # --------------------------------------------------------------------------------------------------

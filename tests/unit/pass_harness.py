@@ -48,7 +48,7 @@ def run(program: Program, tensors: dict[str, np.ndarray], scenario: Scenario | N
         verify(graph)
     cfg = program.config
     drafter = GraphDrafter(program, tensors, num_pages=64, max_seq_len=512)
-    records = run_scenario(drafter, scenario or Scenario(), cfg.fc_in_features, cfg.vocab_size, cfg.block_size)
+    records = run_scenario(drafter, cfg, scenario or Scenario()).records
     return Run(records, drafter.kv, drafter.last_values["lm_head"])
 
 

@@ -22,13 +22,13 @@ def _reference_records(t):
         t.tensors["target.lm_head"],
     )
     cfg = t.config
-    return run_scenario(BatchedReference(ref), SCENARIO, cfg.fc_in_features, cfg.vocab_size, cfg.block_size)
+    return run_scenario(BatchedReference(ref), cfg, SCENARIO).records
 
 
 def _graph_records(t, program):
     cfg = program.config
     drafter = GraphDrafter(program, t.tensors, num_pages=64, max_seq_len=512)
-    return run_scenario(drafter, SCENARIO, cfg.fc_in_features, cfg.vocab_size, cfg.block_size)
+    return run_scenario(drafter, cfg, SCENARIO).records
 
 
 def _assert_same(ref, got):

@@ -126,7 +126,7 @@ def run_steps(program: Program, tensors: dict[str, np.ndarray]) -> tuple[list[np
         verify(graph)
     cfg = program.config
     rec = _LogitRecorder(GraphDrafter(program, tensors, num_pages=64, max_seq_len=512))
-    records = run_scenario(rec, Scenario(), cfg.fc_in_features, cfg.vocab_size, cfg.block_size)
+    records = run_scenario(rec, cfg, Scenario()).records
     return [r.tokens.reshape(-1) for r in records], rec.logits
 
 

@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 
 from dflash_compiler.config import DrafterConfig, Family, LayerAttention, load_drafter_config, parse_drafter_config
+from dflash_compiler.protocol import Scenario, ScenarioRun, make_script, run_scenario
 from dflash_compiler.reference import (
     BatchedReference,
+    Proposal,
     ReferenceDrafter,
     attend,
-    make_script,
     rope,
-    run_protocol,
-    run_script,
     top_k_candidates,
 )
 from dflash_compiler.rope import rope_tables
@@ -422,38 +421,48 @@ def test_one_layer_dflash2_by_hand() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def protocol(drafter: ReferenceDrafter, prompts: tuple[int, ...], steps: int, seed: int, **kw: Any) -> ScenarioRun:
+    """The shared multi-step protocol driven against the reference (through its batched adapter)."""
+    scenario = Scenario(prompt_lengths=prompts, steps=steps, seed=seed, **{"padded_every": 0, "replace_at": None} | kw)
+    return run_scenario(BatchedReference(drafter), drafter.cfg, scenario)
+
+
+def proposals(run: ScenarioRun) -> list[tuple[int, int, Proposal]]:
+    """(sequence id, scenario round, proposal) for every proposal of the run."""
+    return [(s, r.step, p) for r in run.records for s, p in zip(r.seq_ids, r.drafts.proposals, strict=True)]
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_cache_equals_recompute_over_protocol(name: str) -> None:
     cfg = load_drafter_config(EXAMPLES / name)
     drafter = build(cfg, seed=3)
-    run = run_protocol(drafter, prompt_lengths=(3, 11, 20), steps=10, seed=5)
-    assert all(len(r) == 10 for r in run.results)
-    accepted = {s.accepted for script in run.scripts for s in script.steps}
+    run = protocol(drafter, (3, 11, 20), steps=10, seed=5, replace_at=4)
+    assert len(run.records) == 10 and len(run.scripts) == 4
+    accepted = {s.accepted for script in run.scripts.values() for s in script.steps}
     assert len(accepted) > 3, "the script should accept varied prefixes"
-    for script, results in zip(run.scripts, run.results, strict=True):
-        for index, res in enumerate(results):
-            ctx, pos = script.context_before(index)
-            assert res.p0 == pos.max() + 1 == len(pos)
-            again = drafter.propose(fresh_with(drafter, ctx, pos), res.anchor, res.p0)
-            assert again.tokens.tolist() == res.proposal.tokens.tolist()
-            np.testing.assert_allclose(res.proposal.hidden, again.hidden, **TOL)
-            np.testing.assert_allclose(res.proposal.logits, again.logits, **TOL)
-            if cfg.family is Family.DSPARK:
-                np.testing.assert_allclose(res.proposal.confidences, again.confidences, **TOL)
+    for seq, step, prop in proposals(run):
+        script_step = run.script_step(seq, step)
+        ctx, pos = run.scripts[seq].context_before(script_step)
+        p0, anchor = run.scripts[seq].steps[script_step].p0, run.scripts[seq].steps[script_step].anchor
+        assert p0 == pos.max() + 1 == len(pos)
+        again = drafter.propose(fresh_with(drafter, ctx, pos), anchor, p0)
+        assert again.tokens.tolist() == prop.tokens.tolist()
+        np.testing.assert_allclose(prop.hidden, again.hidden, **TOL)
+        np.testing.assert_allclose(prop.logits, again.logits, **TOL)
+        if cfg.family is Family.DSPARK:
+            np.testing.assert_allclose(prop.confidences, again.confidences, **TOL)
     # Padded mode (append every verified row, then roll the rejected ones back) must agree exactly.
-    padded = run_script(drafter, run.scripts, padded=True)
-    for exact_seq, padded_seq in zip(run.results, padded, strict=True):
-        for a, b in zip(exact_seq, padded_seq, strict=True):
-            assert a.proposal.tokens.tolist() == b.proposal.tokens.tolist()
-            np.testing.assert_allclose(a.proposal.hidden, b.proposal.hidden, **TOL)
+    padded = protocol(drafter, (3, 11, 20), steps=10, seed=5, replace_at=4, padded_every=1)
+    for (_, _, a), (_, _, b) in zip(proposals(run), proposals(padded), strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.hidden, b.hidden, **TOL)
 
 
 def test_protocol_depends_on_context() -> None:
     """Guard against a vacuous cache test: the proposals really depend on the cached context."""
     cfg = load_drafter_config(EXAMPLES / "tiny-dflash")
     drafter = build(cfg, seed=3)
-    scripts = make_script(cfg, (20,), 3, seed=5)
-    ctx, pos = scripts[0].context_before(2)
+    ctx, pos = make_script(cfg, 20, 3, seed=5).context_before(2)
     base = drafter.propose(fresh_with(drafter, ctx, pos), 17, int(pos.max()) + 1)
     other = drafter.propose(fresh_with(drafter, ctx[::-1].copy(), pos), 17, int(pos.max()) + 1)
     assert np.abs(base.hidden - other.hidden).max() > 1e-3
@@ -620,14 +629,12 @@ def _zero_codebooks(w: dict[str, np.ndarray]) -> None:
 
 
 def _compare_runs(a: ReferenceDrafter, b: ReferenceDrafter, tokens: bool) -> None:
-    ra = run_protocol(a, (4, 15), steps=4, seed=2)
-    rb = run_script(b, ra.scripts)
-    for sa, sb in zip(ra.results, rb, strict=True):
-        for x, y in zip(sa, sb, strict=True):
-            np.testing.assert_allclose(x.proposal.hidden, y.proposal.hidden, rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(x.proposal.logits, y.proposal.logits, rtol=1e-6, atol=1e-6)
-            if tokens:
-                assert x.proposal.tokens.tolist() == y.proposal.tokens.tolist()
+    ra, rb = protocol(a, (4, 15), steps=4, seed=2), protocol(b, (4, 15), steps=4, seed=2)
+    for (_, _, x), (_, _, y) in zip(proposals(ra), proposals(rb), strict=True):
+        np.testing.assert_allclose(x.hidden, y.hidden, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(x.logits, y.logits, rtol=1e-6, atol=1e-6)
+        if tokens:
+            assert x.tokens.tolist() == y.tokens.tolist()
 
 
 def test_dflash2_identity_conv_equals_v1() -> None:
@@ -650,9 +657,8 @@ def test_dflash2_zero_codebooks_pick_the_argmax() -> None:
 
     dflash2, v1 = _pair("tiny-dflash2", 7, edit)
     _compare_runs(dflash2, v1, tokens=True)
-    run = run_protocol(dflash2, (6,), steps=3, seed=1)
-    for res in run.results[0]:
-        assert res.proposal.tokens.tolist() == np.argmax(res.proposal.logits, axis=-1).tolist()
+    for _, _, prop in proposals(protocol(dflash2, (6,), steps=3, seed=1)):
+        assert prop.tokens.tolist() == np.argmax(prop.logits, axis=-1).tolist()
 
 
 def test_dspark_zero_w2_is_plain_argmax() -> None:
@@ -661,12 +667,10 @@ def test_dspark_zero_w2_is_plain_argmax() -> None:
 
     dspark, v1 = _pair("tiny-dspark", 8, edit)
     _compare_runs(dspark, v1, tokens=True)
-    run = run_protocol(dspark, (6, 9), steps=3, seed=1)
-    for seq in run.results:
-        for res in seq:
-            assert res.proposal.tokens.tolist() == np.argmax(res.proposal.logits, axis=-1).tolist()
-            conf = res.proposal.confidences
-            assert conf is not None and conf.shape == (dspark.cfg.gamma,) and ((conf > 0) & (conf < 1)).all()
+    for _, _, prop in proposals(protocol(dspark, (6, 9), steps=3, seed=1)):
+        assert prop.tokens.tolist() == np.argmax(prop.logits, axis=-1).tolist()
+        conf = prop.confidences
+        assert conf is not None and conf.shape == (dspark.cfg.gamma,) and ((conf > 0) & (conf < 1)).all()
 
 
 # --------------------------------------------------------------------------------------------------
