@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from dflash_compiler.graph_runner import Drafts, GraphDrafter
-from dflash_compiler.ir.graph import Graph, Node, eval_dim
-from dflash_compiler.ir.interpret import interpret
+from dflash_compiler.ir.graph import Graph, Node
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.lower import PAGE_SIZE, Program
 from dflash_compiler.protocol import Scenario, run_scenario
@@ -68,37 +67,12 @@ class _CalibrationDrafter(GraphDrafter):
         self, seq_ids: Sequence[int], taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]
     ) -> None:
         super().append_context(seq_ids, taps, positions)
-        self._keep(self.program.append_context.name, self._scratch_append(taps, positions), self._append_probes)
+        self._keep("append_context", self.last_values["append_context"], self._append_probes)
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         drafts = super().propose(seq_ids, anchors)
-        self._keep(self.program.propose.name, self.last_values, self._propose_probes)
+        self._keep("propose", self.last_values["propose"], self._propose_probes)
         return drafts
-
-    def _scratch_append(self, taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-        """Re-run ``append_context`` with capture, writing into a one-page scratch cache.
-
-        ``GraphDrafter`` captures ``propose`` only. ``append_context`` is feed-forward from the taps to the
-        KV writes (no linear reads the cache), so its linear inputs do not depend on where rows land.
-        """
-        graph = self.program.append_context
-        rows = sum(len(p) for p in positions)
-        shape = graph.node("kv_cache").type.shape
-        scratch = np.zeros(tuple(eval_dim(d, {"pages": 1}) for d in shape), np.float32)
-        capture: dict[str, np.ndarray] = {}
-        interpret(
-            graph,
-            {
-                "taps": np.concatenate([np.asarray(t, np.float32) for t in taps]),
-                "ctx_positions": np.concatenate([np.asarray(p) for p in positions]).astype(np.int32),
-                "ctx_slots": np.zeros(rows, np.int32),
-            },
-            self.weights,
-            {"kv_cache": scratch},
-            {"ctx": rows, "pages": 1},
-            capture=capture,
-        )
-        return capture
 
 
 def _pool_for(scenario: Scenario, block: int) -> tuple[int, int]:

@@ -41,7 +41,8 @@ class GraphDrafter:
         self.pages = PageAllocator(num_pages, PAGE_SIZE, max_seq_len)
         shape = self.program.append_context.node("kv_cache").type.shape
         self.kv = np.zeros(tuple(eval_dim(d, {"pages": num_pages}) for d in shape), np.float32)
-        self.last_values: dict[str, np.ndarray] = {}  # every node's value in the last propose call
+        # Every node's value in the last call of each phase, by phase name then node name.
+        self.last_values: dict[str, dict[str, np.ndarray]] = {"append_context": {}, "propose": {}}
 
     # sequence lifetime --------------------------------------------------------------------------
     def create(self, seq_id: int) -> None:
@@ -83,6 +84,7 @@ class GraphDrafter:
             self.weights,
             {"kv_cache": self.kv},
             {"ctx": len(slots), "pages": self.pages.num_pages},
+            capture=self.last_values["append_context"],
         )
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
@@ -106,7 +108,7 @@ class GraphDrafter:
             self.weights,
             {"kv_cache": self.kv},
             {"nb": len(seq_ids), "blk": blk, "pages": self.pages.num_pages, "maxp": maxp},
-            capture=self.last_values,
+            capture=self.last_values["propose"],
         )
         gamma = blk - 1
         conf = out.get("confidences")

@@ -49,7 +49,7 @@ def run(program: Program, tensors: dict[str, np.ndarray], scenario: Scenario | N
     cfg = program.config
     drafter = GraphDrafter(program, tensors, num_pages=64, max_seq_len=512)
     records = run_scenario(drafter, cfg, scenario or Scenario()).records
-    return Run(records, drafter.kv, drafter.last_values["lm_head"])
+    return Run(records, drafter.kv, drafter.last_values["propose"]["lm_head"])
 
 
 def assert_equivalent(before: Run, after: Run, rtol: float = 1e-5, atol: float = 1e-5) -> None:

@@ -116,7 +116,7 @@ class _LogitRecorder:
 
     def propose(self, seq_ids, anchors):
         drafts = self.drafter.propose(seq_ids, anchors)
-        self.logits.append(np.array(self.drafter.last_values["lm_head"]))
+        self.logits.append(np.array(self.drafter.last_values["propose"]["lm_head"]))
         return drafts
 
 
@@ -298,7 +298,8 @@ def test_lm_head_alone_errs_exactly_its_measured_error() -> None:
     drafter.create(0)
     drafter.append_context([0], [np.ones((9, t.config.fc_in_features), np.float32)], [np.arange(9)])
     drafter.propose([0], [3])
-    x, logits = drafter.last_values["drop_anchor"], drafter.last_values["lm_head"]
+    values = drafter.last_values["propose"]
+    x, logits = values["drop_anchor"], values["lm_head"]
     w = t.tensors["target.lm_head"]
     expected = np.linalg.norm(logits - x @ w.T) / np.linalg.norm(x @ w.T)
     assert expected == pytest.approx(fp8_relative_error(x, w), rel=1e-3)
