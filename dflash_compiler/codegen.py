@@ -1,22 +1,14 @@
-"""Build: scheduled TVM IRModule → CUDA C + kernel table → cubin (NVRTC), on a machine without a GPU.
+"""Build side of the kernel table: scheduled TVM IRModule → CUDA C + kernel table, on a machine without a GPU.
 
-The build side of the kernel table (NVRTC is in ``nvrtc.py``, the cubin ELF check in ``cubin.py``, the
-expression evaluator the runtime shares in ``runtime/expr.py``):
+`lower_to_cuda` runs TVM's pipeline and CUDA codegen and reads the IR right after `tirx.SplitHostDevice`:
+there every host function is a list of `call_ffi_kernel` calls that name the kernels in launch order, pass
+their arguments in the kernel's ABI order and give the launch extents. The kernel table is taken from that
+IR, never written by hand (TVM reorders kernel parameters: pointers first, sorted by name, then scalars;
+CSE adds derived scalars such as `(m + 3) // 4`).
 
-* `lower_to_cuda` runs TVM's pipeline and CUDA codegen and reads the IR right after
-  `tirx.SplitHostDevice`: there every host function is a list of `call_ffi_kernel` calls that name the
-  kernels in launch order, pass their arguments in the kernel's ABI order and give the launch extents.
-  The kernel table is taken from that IR, never written by hand (TVM reorders kernel parameters: pointers
-  first, sorted by name, then scalars; CSE adds derived scalars such as `(m + 3) // 4`).
-* `compile_cubin` calls NVRTC through cuda-python with the CUDA headers found by cuda.pathfinder, so no
-  toolkit, no environment variable and no TVM callback is involved; fast-math is off unless asked.
-* `cubin_arch` reads the SM a cubin was built for from its ELF header (and `.nv.compat` for the `a`
-  variant), so tests check what was built rather than what was asked for.
-* `evaluate` / `compile_expression` evaluate the table's expression strings (grid, block, shared memory,
-  scalar arguments) with an AST whitelist, never `eval`: the runtime reads them from a manifest file.
-
-TVM and cuda-python are imported inside the functions that need them: the models, `cubin_arch` and the
-evaluator are used on the deploy side, which has neither TVM nor NVRTC.
+The rest of the build lives beside it: NVRTC in ``nvrtc.py``, the cubin ELF check in ``cubin.py``, and the
+evaluator of the table's expression strings in ``runtime/expr.py`` (shared with the runtime). TVM is
+imported inside the functions that need it: the table's models are read on the deploy side, which has no TVM.
 """
 
 from __future__ import annotations

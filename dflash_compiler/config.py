@@ -70,11 +70,6 @@ class DFlash2Spec(BaseModel):
     selector_rank: int
     selector_top_k: int
 
-    @property
-    def conv_groups(self) -> int:
-        """Not used directly: the dynamic kernel has hidden_size // conv_group_size channels per tap."""
-        return self.conv_group_size
-
 
 class MarkovHeadType(StrEnum):
     VANILLA = "vanilla"

@@ -91,11 +91,11 @@ class GraphDrafter:
         """Draft ``gamma`` tokens per sequence; the anchor sits at the sequence's cached length."""
         blk = self.cfg.block_size
         lens = np.array([self.pages.length(s) for s in seq_ids], np.int32)
-        maxp = max(1, max(len(self.pages.pages(s)) for s in seq_ids))
-        table = np.zeros((len(seq_ids), maxp), np.int32)
-        for i, s in enumerate(seq_ids):
-            owned = self.pages.pages(s)
-            table[i, : len(owned)] = owned
+        owned = [self.pages.pages(s) for s in seq_ids]
+        table = np.zeros((len(seq_ids), max(1, *(len(p) for p in owned))), np.int32)
+        for i, pages in enumerate(owned):
+            table[i, : len(pages)] = pages
+        maxp = table.shape[1]
         positions = (lens[:, None] + np.arange(blk, dtype=np.int32)[None, :]).reshape(-1)
         out = interpret(
             self.program.propose,

@@ -19,6 +19,7 @@ from dflash_compiler.config import DrafterConfig, Family
 from dflash_compiler.ir.graph import Graph, Node, Ref, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.ir.weights import WeightDecl
+from dflash_compiler.tensors import expected_drafter_tensors
 
 PAGE_SIZE = 16
 ACT = "bfloat16"
@@ -54,6 +55,7 @@ class _Builder:
     def __init__(self, cfg: DrafterConfig, graph: Graph) -> None:
         self.cfg = cfg
         self.g = graph
+        self.checkpoint = expected_drafter_tensors(cfg)
 
     def weight(self, name: str, shape: tuple[int, ...], dtype: str = ACT, decl: WeightDecl | None = None) -> Ref:
         if name in self.g:
@@ -63,7 +65,7 @@ class _Builder:
 
     def linear(self, name: str, x: Ref, weight: str, rows: str) -> Ref:
         """``x @ W.T`` for a checkpoint weight ``W [N, K]``."""
-        n, k = self._checkpoint_shape(weight)
+        n, k = self.checkpoint[weight].shape
         w = self.weight(weight, (n, k))
         return self.g.add(name, Node.make(Op.MATMUL, [TensorType(ACT, (rows, n))]), [x, w])
 
@@ -90,17 +92,10 @@ class _Builder:
                 Op.ROPE,
                 [t],
                 head_dim=cfg.head_dim,
-                rope=tuple(sorted(rope.model_dump(mode="json").items())),
+                rope=rope.model_dump(mode="json"),
             ),
             [normed, positions],
         )
-
-    def _checkpoint_shape(self, name: str) -> tuple[int, int]:
-        from dflash_compiler.tensors import expected_drafter_tensors
-
-        shape = expected_drafter_tensors(self.cfg)[name].shape
-        assert len(shape) == 2
-        return shape[0], shape[1]
 
 
 def kv_cache_type(cfg: DrafterConfig) -> TensorType:
