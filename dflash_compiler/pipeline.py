@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_compiler.calibrate import collect_calibration
 from dflash_compiler.config import DrafterConfig
+from dflash_compiler.errors import Problem
 from dflash_compiler.ir import dump, verify
 from dflash_compiler.ir.graph import Graph
 from dflash_compiler.ir_passes.choose_precision import choose_precision
@@ -25,7 +27,8 @@ from dflash_compiler.ir_passes.plan_memory import plan_memory
 from dflash_compiler.ir_passes.select_rope import select_rope
 from dflash_compiler.ir_passes.size_kv_cache import size_kv_cache
 from dflash_compiler.lower import Program, lower
-from dflash_compiler.options import BuildOptions
+from dflash_compiler.options import BuildOptions, Precision
+from dflash_compiler.plans import PlanError
 
 PASSES: list[tuple[str, Pass]] = [
     ("fuse_context_kv", fuse_context_kv),
@@ -91,16 +94,34 @@ def optimize(
         dumper(label, program)
         if on_step is not None:
             on_step(label)
+    check_exclude_globs(program, options)
     return program
+
+
+def check_exclude_globs(program: Program, options: BuildOptions) -> None:
+    """An ``exclude`` glob that names no linear in either phase is a typo, not a no-op: refuse it."""
+    unmatched = set(options.exclude)
+    for graph in program.phases.values():
+        unmatched &= set(graph.meta["precision"].unmatched_exclude)
+    if unmatched:
+        raise PlanError(
+            "build options",
+            [
+                Problem(
+                    f"exclude {glob!r}",
+                    "a glob that matches no linear layer",
+                    "globs over linear names such as 'layers.0.*', 'layers.*.mlp.down_proj', 'fc' or 'lm_head'",
+                    "fix the glob (`dflash-compile plan --dump-dir` shows the names) or remove it",
+                )
+                for glob in sorted(unmatched)
+            ],
+        )
 
 
 def make_pass_context(
     program: Program, options: BuildOptions, tensors: Callable[[str], np.ndarray] | None
 ) -> PassContext:
     """Calibration activations are gathered only when a pass will measure with them (precision auto)."""
-    from dflash_compiler.calibrate import collect_calibration
-    from dflash_compiler.options import Precision
-
     calibration = None
     if options.precision is Precision.AUTO and tensors is not None:
         calibration = collect_calibration(program, tensors)

@@ -55,3 +55,16 @@ def test_size_kv_cache_golden_lines():
     assert len(added) == 1
     assert added[0].startswith("meta kv_cache = kv 69 pages x 6144 B")
     assert "17 pages/seq" in added[0]
+
+
+def test_exclude_glob_matching_nothing_is_refused():
+    from dflash_compiler.pipeline import optimize
+    from dflash_compiler.plans import PlanError
+
+    t = tiny("tiny-dflash")
+    program = optimize(t.config, BuildOptions(precision="fp8", exclude=("fc", "lm_head")))
+    assert program.append_context.meta["precision"].unmatched_exclude == ("lm_head",)  # propose has it
+    with pytest.raises(PlanError) as err:
+        optimize(t.config, BuildOptions(precision="fp8", exclude=("layers.9.*", "lm_head", "fc_typo")))
+    assert [p.where for p in err.value.problems] == ["exclude 'fc_typo'", "exclude 'layers.9.*'"]
+    assert "matches no linear" in str(err.value)
