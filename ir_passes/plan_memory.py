@@ -11,8 +11,10 @@ and two values live at the same step never share a byte. Nodes are unchanged.
 
 What is scratch: every node output except graph inputs, weights, the KV state (KV_WRITE updates it in
 place) and the values OUTPUT nodes return (the runtime hands those to the caller). A SLICE output is a
-view of its input: no bytes of its own, and it keeps its base alive. A value is live from the step that
-produces it to the last step that reads it or a view of it (inclusive: a node's inputs and outputs coexist).
+column range of a row-major value, which no kernel can read as a contiguous tensor, so the slice kernel
+copies it into a buffer of its own like any other node. ``_VIEWS`` lists ops whose output would alias
+their input (none today); a view keeps its base alive. A value is live from the step that produces it to
+the last step that reads it or a view of it (inclusive: a node's inputs and outputs coexist).
 
 Placement is greedy by size with best fit: largest values first (ties: earliest producer, then name), each
 at the smallest gap between values it overlaps in time that holds it, else above them. It is
@@ -33,7 +35,7 @@ from dflash_compiler.plans import Buffer, KVCachePlan, MemoryPlan, PlanError, Vi
 
 ALIGNMENT = 256
 _NOT_SCRATCH = (Op.INPUT, Op.WEIGHT, Op.STATE, Op.OUTPUT, Op.KV_WRITE)
-_VIEWS = (Op.SLICE,)
+_VIEWS: tuple[Op, ...] = ()
 
 
 @dataclass(frozen=True)

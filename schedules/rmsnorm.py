@@ -18,10 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
 
-from .base import Kernel, Rule, ScheduleError
+from .base import Kernel, KernelSpec, Param, Rule, ScheduleError
 
 ROWS = "m"  # the symbolic row count every rmsnorm kernel takes; the launch plan binds it
 DTYPE = "bfloat16"
@@ -30,7 +32,7 @@ _OP_ATTR = "dflash.op"
 
 
 @dataclass(frozen=True)
-class RMSNormSpec:
+class RMSNormSpec(KernelSpec):
     """What one rmsnorm kernel computes. `name` is the PrimFunc's global symbol."""
 
     hidden: int
@@ -50,6 +52,40 @@ class RMSNormSpec:
     @property
     def op(self) -> str:
         return Op.RMSNORM_RESIDUAL.value if self.residual else Op.RMSNORM.value
+
+    def params(self) -> tuple[Param, ...]:
+        row = (ROWS, self.hidden)
+        weight = Param("w", DTYPE, (self.hidden,))
+        if self.residual:
+            return (Param("a", DTYPE, row), Param("b", DTYPE, row), weight, Param("s", DTYPE, row, "out"),
+                    Param("y", DTYPE, row, "out"))
+        return (Param("x", DTYPE, row), weight, Param("y", DTYPE, row, "out"))
+
+    def prim_func(self) -> Any:
+        return rmsnorm_func(self)
+
+    def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        w = arrays["w"].astype(np.float32)
+        if self.residual:
+            x = arrays["a"].astype(np.float32) + arrays["b"].astype(np.float32)
+            extra = {"s": x.astype(arrays["a"].dtype)}
+        else:
+            x, extra = arrays["x"].astype(np.float32), {}
+        x64 = x.astype(np.float64)
+        y = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + self.eps) * w
+        return {**extra, "y": y.astype(np.float32)}
+
+    def sample(self, rng: np.random.Generator, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        import ml_dtypes
+
+        rows, bf16 = sizes[ROWS], ml_dtypes.bfloat16
+        out = {p.name: np.zeros((rows, self.hidden), bf16) for p in self.params() if p.written}
+        w = rng.uniform(0.5, 1.5, self.hidden).astype(bf16)
+        if self.residual:
+            a = rng.standard_normal((rows, self.hidden)).astype(bf16)
+            b = (rng.standard_normal((rows, self.hidden)) * 0.5).astype(bf16)
+            return {"a": a, "b": b, "w": w, **out}
+        return {"x": (rng.standard_normal((rows, self.hidden)) * 3).astype(bf16), "w": w, **out}
 
 
 def rmsnorm_func(spec: RMSNormSpec) -> Any:
@@ -164,6 +200,9 @@ class RMSNormRule(Rule):
         # blocks still fit an SM (2048 or 1536 resident threads) for the many-row context phase.
         return {"threads": target.max_threads_per_block // 2, "vector_bytes": 16}
 
+    def spec_of(self, subject: Any) -> RMSNormSpec | None:
+        return spec_of(subject)
+
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = spec_of(subject)
         if spec is None:
@@ -179,7 +218,7 @@ class RMSNormRule(Rule):
         reference = rmsnorm_func(spec)
         func = schedule_rmsnorm(reference, spec, threads, vector)
         used = {**chosen, "threads": threads, "vector_bytes": vector * _ELEMENT_BYTES}
-        return Kernel(name=spec.name, func=func, reference=reference, rule=self.name, knobs=used)
+        return Kernel(name=spec.name, func=func, reference=reference, rule=self.name, knobs=used, spec=spec)
 
     def _fit(self, spec: RMSNormSpec, target: Target, threads: int, vector_bytes: int) -> tuple[int, int]:
         """(threads, elements per vector) for this row width; knob values out of range are errors."""

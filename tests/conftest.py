@@ -40,3 +40,12 @@ def example_raw():
         return json.loads((EXAMPLES / name / "config.json").read_text())
 
     return load
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--kernel-bundle",
+        action="append",
+        default=[],
+        help="check bundle(s) written by `bench/kernels.py build` to run in tests/gpu (repeatable)",
+    )

@@ -239,6 +239,17 @@ _IMPL: dict[Op, _Impl] = {
 }
 
 
+def evaluate_node(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """One op's outputs for its argument values (fp32 math; kv_write updates its cache argument in place).
+
+    Kernel specs take their numpy reference from here, so a kernel is held to the same semantics as the graph.
+    """
+    if node.op not in _IMPL:
+        raise InterpretError(f"evaluate_node: {node.op.value} is a graph-boundary op, not a computation")
+    out = _IMPL[node.op](node, args)
+    return out if isinstance(out, tuple) else (out,)
+
+
 def _check_shape(graph: Graph, name: str, port: int, value: np.ndarray, dims: Mapping[str, int]) -> None:
     declared = graph.node(name).outputs[port].shape
     expected = tuple(eval_dim(d, dims) for d in declared)

@@ -195,3 +195,14 @@ def test_spec_validation():
         RMSNormSpec(hidden=0, eps=EPS)
     with pytest.raises(ScheduleError, match="eps must be positive"):
         RMSNormSpec(hidden=8, eps=0.0)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(("hidden", "rows"), [(64, 1), (1001, 5), (4096, 16)])
+def test_spec_reference_agrees_with_llvm(residual, hidden, rows):
+    from kernel_harness import assert_spec_matches_numpy
+
+    spec = RMSNormSpec(hidden=hidden, eps=EPS, residual=residual)
+    assert [p.name for p in spec.params()] == [p.name for p in rmsnorm_func(spec).params]
+    assert spec.variables() == ("m",)
+    assert_spec_matches_numpy(spec, {"m": rows}, seed=hidden + rows)

@@ -1,0 +1,212 @@
+"""The CUDA driver through cuda-python: a context, device memory, a loaded cubin and kernel launches.
+
+Launches are driven by the kernel table (`codegen.KernelLaunch`): pointer parameters come from a map of
+buffer name → device address, scalar parameters and launch extents are the table's expressions evaluated
+over the symbolic sizes. Nothing here imports TVM or torch; numpy is only used for host copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dflash_compiler.errors import DFlashError
+from dflash_compiler.runtime.expr import evaluate
+
+if TYPE_CHECKING:
+    from dflash_compiler.codegen import KernelLaunch
+
+
+class CudaError(DFlashError):
+    """A CUDA driver call failed; the message names the call and the driver's error string."""
+
+
+_SCALAR_TYPES: dict[str, type[ctypes._SimpleCData[Any]]] = {
+    "int32": ctypes.c_int32,
+    "int64": ctypes.c_int64,
+    "uint32": ctypes.c_uint32,
+    "float32": ctypes.c_float,
+    "float64": ctypes.c_double,
+}
+_STATIC_SMEM_LIMIT = 48 * 1024
+
+
+def _driver() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def check(result: Any, what: str) -> Any:
+    """The value(s) of a cuda-python call that returns `(err, *values)`; CudaError when err is not success."""
+    values = result if isinstance(result, tuple) else (result,)
+    err = values[0]
+    if int(err) != 0:
+        _, text = _driver().cuGetErrorString(err)
+        detail = text.decode() if isinstance(text, bytes) else str(text)
+        raise CudaError(f"{what} failed: {err!r} ({detail})")
+    if len(values) == 1:
+        return None
+    return values[1] if len(values) == 2 else values[1:]
+
+
+class Device:
+    """The primary context of one GPU, made current on the calling thread."""
+
+    def __init__(self, ordinal: int = 0) -> None:
+        cu = _driver()
+        check(cu.cuInit(0), "cuInit")
+        self.handle = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        cu = _driver()
+        attr = cu.CUdevice_attribute
+        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.handle), "cc")
+        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.handle), "cc")
+        return int(major), int(minor)
+
+    @property
+    def name(self) -> str:
+        raw = check(_driver().cuDeviceGetName(256, self.handle), "cuDeviceGetName")
+        return bytes(raw).split(b"\0", 1)[0].decode()
+
+    def alloc(self, nbytes: int) -> int:
+        return int(check(_driver().cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+
+    def free(self, pointer: int) -> None:
+        check(_driver().cuMemFree(pointer), "cuMemFree")
+
+    def upload(self, array: np.ndarray, pointer: int | None = None) -> int:
+        """Copy a host array to the device (a new allocation unless `pointer` is given); returns the address."""
+        host = np.ascontiguousarray(array)
+        target = self.alloc(host.nbytes) if pointer is None else pointer
+        if host.nbytes:
+            check(_driver().cuMemcpyHtoD(target, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        return target
+
+    def download(self, pointer: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        if out.nbytes:
+            check(_driver().cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any = 0) -> None:
+        check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def synchronize(self) -> None:
+        check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+class EventTimer:
+    """Milliseconds between two CUDA events on a stream (the figure benchmarks quote)."""
+
+    def __init__(self, stream: Any = 0) -> None:
+        cu = _driver()
+        self.stream = stream
+        self.start = check(cu.cuEventCreate(0), "cuEventCreate")
+        self.stop = check(cu.cuEventCreate(0), "cuEventCreate")
+
+    def __enter__(self) -> EventTimer:
+        check(_driver().cuEventRecord(self.start, self.stream), "cuEventRecord")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        check(_driver().cuEventRecord(self.stop, self.stream), "cuEventRecord")
+
+    def elapsed_ms(self) -> float:
+        cu = _driver()
+        check(cu.cuEventSynchronize(self.stop), "cuEventSynchronize")
+        return float(check(cu.cuEventElapsedTime(self.start, self.stop), "cuEventElapsedTime"))
+
+
+class Module:
+    """A cubin loaded into the current context; launches kernels described by the kernel table."""
+
+    def __init__(self, cubin: bytes) -> None:
+        self._image = np.frombuffer(cubin, np.uint8).copy()  # the driver reads it during load only; keep it anyway
+        self.handle = check(_driver().cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
+        self._functions: dict[str, Any] = {}
+        self._smem_raised: dict[str, int] = {}
+
+    def function(self, name: str) -> Any:
+        if name not in self._functions:
+            self._functions[name] = check(
+                _driver().cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({name!r})"
+            )
+        return self._functions[name]
+
+    def launch(
+        self, launch: KernelLaunch, pointers: Mapping[str, int], env: Mapping[str, int], stream: Any = 0
+    ) -> None:
+        """One `cuLaunchKernel` of `launch`; `pointers` maps every pointer source to a device address."""
+        cu = _driver()
+        holders: list[ctypes._SimpleCData[Any]] = []
+        for p in launch.params:
+            if p.kind == "ptr":
+                if p.source not in pointers:
+                    raise CudaError(f"{launch.name}: no device buffer for parameter {p.name} (source {p.source!r})")
+                holders.append(ctypes.c_uint64(int(pointers[p.source])))
+            else:
+                holders.append(_SCALAR_TYPES[p.dtype](evaluate(p.source, env)))
+        argv = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+        grid, block, smem = launch.launch_dims(env)
+        if 0 in grid:
+            return  # nothing to do for zero rows
+        func = self.function(launch.name)
+        if smem > _STATIC_SMEM_LIMIT and self._smem_raised.get(launch.name, 0) < smem:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(func, attr, smem), f"cuFuncSetAttribute({launch.name}, {smem} B)")
+            self._smem_raised[launch.name] = smem
+        check(
+            cu.cuLaunchKernel(func, *grid, *block, smem, stream, ctypes.addressof(argv), 0),
+            f"cuLaunchKernel({launch.name}, grid {grid}, block {block}, smem {smem})",
+        )
+
+
+class Stream:
+    """A non-blocking stream (CUDA graphs are captured from one; the legacy default stream cannot be)."""
+
+    def __init__(self) -> None:
+        cu = _driver()
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        check(_driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def destroy(self) -> None:
+        check(_driver().cuStreamDestroy(self.handle), "cuStreamDestroy")
+
+
+class CudaGraph:
+    """A launch sequence captured once from a stream and replayed with one `cuGraphLaunch`.
+
+    Kernel arguments are captured by value, so what changes between replays must live in device buffers
+    the kernels read (lengths, positions, page tables), not in scalar arguments.
+    """
+
+    def __init__(self, stream: Stream, record: Callable[[Any], None]) -> None:
+        cu = _driver()
+        check(
+            cu.cuStreamBeginCapture(stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "cuStreamBeginCapture",
+        )
+        try:
+            record(stream.handle)
+        finally:
+            graph = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+        self._graph = graph
+        self.handle = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def launch(self, stream: Stream) -> None:
+        check(_driver().cuGraphLaunch(self.handle, stream.handle), "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        cu = _driver()
+        check(cu.cuGraphExecDestroy(self.handle), "cuGraphExecDestroy")
+        check(cu.cuGraphDestroy(self._graph), "cuGraphDestroy")
