@@ -107,33 +107,20 @@ def plan(
     ] = None,
 ) -> None:
     """Lower the drafter, run every graph pass and print the KV-cache, precision and memory plans."""
-    from pydantic import ValidationError
-
     from dflash_compiler.config import load_drafter_config
-    from dflash_compiler.errors import Problem
-    from dflash_compiler.options import BuildOptions
     from dflash_compiler.pipeline import optimize
 
     try:
         cfg = load_drafter_config(drafter_dir)
-        try:
-            options = BuildOptions(
-                block_size=block_size,
-                max_batch=max_batch,
-                max_seq_len=max_seq_len,
-                max_ctx_rows=max_ctx_rows,
-                precision=precision,
-                exclude=tuple(exclude or ()),
-                kv_budget_bytes=kv_budget_bytes,
-            )
-        except ValidationError as err:
-            raise InputError(
-                "build options",
-                [
-                    Problem(".".join(map(str, e["loc"])) or "options", repr(e.get("input")), e["msg"], "fix the option")
-                    for e in err.errors()
-                ],
-            ) from None
+        options = _build_options(
+            block_size=block_size,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            max_ctx_rows=max_ctx_rows,
+            precision=precision,
+            exclude=tuple(exclude or ()),
+            kv_budget_bytes=kv_budget_bytes,
+        )
         tensors = _checkpoint_tensors(cfg, drafter_dir, target_model)
         program = optimize(
             cfg,
@@ -155,26 +142,174 @@ def plan(
         console.print(f"graphs written to [bold]{dump_dir}[/]")
 
 
+def _build_options(**fields: object):
+    """BuildOptions from CLI values; a bad value is an InputError naming the option."""
+    from pydantic import ValidationError
+
+    from dflash_compiler.errors import Problem
+    from dflash_compiler.options import BuildOptions
+
+    try:
+        return BuildOptions(**fields)
+    except ValidationError as err:
+        raise InputError(
+            "build options",
+            [
+                Problem(".".join(map(str, e["loc"])) or "options", repr(e.get("input")), e["msg"], "fix the option")
+                for e in err.errors()
+            ],
+        ) from None
+
+
 def _checkpoint_tensors(cfg, drafter_dir: Path, target_model: Path | None):
     """A tensor source over the drafter checkpoint and the target's embed/lm_head, when both are there."""
-    from dflash_compiler.target_model import check_target, load_target
-    from dflash_compiler.weights import WeightSet, check_drafter_weights, has_safetensors
+    from dflash_compiler.sources import checkpoint_source
+    from dflash_compiler.weights import has_safetensors
 
     if target_model is None or not has_safetensors(drafter_dir):
         return None
-    ws = WeightSet(drafter_dir)
-    report = check_drafter_weights(cfg, ws, check_values=False)
-    target = load_target(target_model, cfg)
-    check_target(cfg, target, check_values=False)
+    return checkpoint_source(cfg, drafter_dir, target_model)
 
-    def tensor(name: str):
-        if name == "target.embed_tokens":
-            return target.embed_tokens(as_f32=True)
-        if name == "target.lm_head":
-            return target.lm_head(as_f32=True)
-        return ws.get_f32(report.stored_names.get(name, name))
 
-    return tensor
+@app.command()
+def compile(
+    drafter_dir: Annotated[Path, typer.Argument(help="HF drafter directory (config.json [+ *.safetensors])")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to write")],
+    target_model: Annotated[
+        Path | None, typer.Option("--target-model", help="target model directory (embed_tokens, lm_head)")
+    ] = None,
+    target: Annotated[str, typer.Option(help="sm_90, sm_120, sm_121 or auto (the local GPU)")] = "auto",
+    block_size: Annotated[int | None, typer.Option(help="serve with this block size")] = None,
+    max_batch: Annotated[int, typer.Option(help="sequences per propose step")] = 16,
+    max_seq_len: Annotated[int, typer.Option(help="longest sequence the KV cache admits")] = 8192,
+    max_ctx_rows: Annotated[int, typer.Option(help="most context rows one append takes")] = 512,
+    precision: Annotated[str, typer.Option(help="bf16, fp8 or auto")] = "bf16",
+    exclude: Annotated[list[str] | None, typer.Option(help="glob of linears kept in bf16 (repeatable)")] = None,
+    kv_budget_bytes: Annotated[int | None, typer.Option(help="size the KV pool from a byte budget")] = None,
+    weights: Annotated[bool, typer.Option(help="pack weights.safetensors when the checkpoints are given")] = True,
+    force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
+    dump_dir: Annotated[
+        Path | None, typer.Option("--dump-dir", help="write every phase's graph after each step")
+    ] = None,
+) -> None:
+    """Compile a drafter into an artifact: kernels (cubin), plans and manifest, plus packed weights."""
+    import time
+
+    from dflash_compiler.artifact import human_summary
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.errors import DFlashError
+    from dflash_compiler.pack import pack_weights
+    from dflash_compiler.pipeline import compile_drafter
+    from dflash_compiler.targets import get_target
+
+    started = time.perf_counter()
+
+    def step(label: str) -> None:
+        console.print(f"  [bold]{label}[/] done ({time.perf_counter() - started:.1f} s)")
+
+    try:
+        cfg = load_drafter_config(drafter_dir)
+        options = _build_options(
+            block_size=block_size,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            max_ctx_rows=max_ctx_rows,
+            precision=precision,
+            exclude=tuple(exclude or ()),
+            kv_budget_bytes=kv_budget_bytes,
+        )
+        chosen = get_target(target)
+        console.print(f"compiling {drafter_dir} for [bold]{chosen.name}[/] ({chosen.description})")
+        tensors = _checkpoint_tensors(cfg, drafter_dir, target_model)
+        path, manifest = compile_drafter(
+            cfg, options, chosen, out, tensors=tensors, dump_dir=dump_dir, overwrite=force, on_step=step
+        )
+        if weights and tensors is not None and target_model is not None:
+            manifest = pack_weights(path, drafter_dir, target_model)
+            step("pack-weights")
+    except InputError as error:
+        raise _fail(error) from None
+    except DFlashError as error:
+        err_console.print(f"[bold red]error[/]: {error}")
+        raise typer.Exit(code=1) from None
+    _print_rows(f"artifact {path}", human_summary(manifest))
+
+
+@app.command("pack-weights")
+def pack_weights_command(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory (from `compile`)")],
+    drafter_dir: Annotated[Path, typer.Argument(help="the drafter checkpoint it was compiled from")],
+    target_model: Annotated[Path, typer.Option("--target-model", help="target model directory")],
+) -> None:
+    """Write the artifact's weights.safetensors from the checkpoints (numpy only: runs where TVM is absent)."""
+    from dflash_compiler.errors import DFlashError
+    from dflash_compiler.pack import pack_weights
+
+    try:
+        manifest = pack_weights(artifact, drafter_dir, target_model)
+    except InputError as error:
+        raise _fail(error) from None
+    except DFlashError as error:
+        err_console.print(f"[bold red]error[/]: {error}")
+        raise typer.Exit(code=1) from None
+    record = manifest.files["weights.safetensors"]
+    console.print(f"packed {len(manifest.weights)} tensors, {record.bytes:,} bytes into {artifact}")
+
+
+@app.command()
+def inspect(artifact: Annotated[Path, typer.Argument(help="artifact directory")]) -> None:
+    """Verify an artifact's manifest and files and print what it holds."""
+    from dflash_compiler.artifact import human_summary, load_manifest
+    from dflash_compiler.errors import DFlashError
+
+    try:
+        manifest = load_manifest(artifact, require=())
+    except DFlashError as error:
+        err_console.print(f"[bold red]error[/]: {error}")
+        raise typer.Exit(code=1) from None
+    _print_rows(f"artifact {artifact}", human_summary(manifest))
+    table = Table("phase", "calls", "kernels")
+    for name, plan in manifest.phases.items():
+        table.add_row(name, str(len(plan.calls)), str(len({c.kernel for c in plan.calls})))
+    console.print(table)
+
+
+@app.command()
+def run(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory with packed weights")],
+    drafter_dir: Annotated[Path, typer.Option("--drafter", help="the drafter checkpoint (for the reference)")],
+    target_model: Annotated[Path, typer.Option("--target-model", help="target model directory")],
+    steps: Annotated[int, typer.Option(help="propose steps")] = 20,
+    sequences: Annotated[int, typer.Option(help="sequences, each with a different prompt length")] = 4,
+    seed: Annotated[int, typer.Option(help="seed of the random taps and acceptance")] = 0,
+    graphs: Annotated[bool, typer.Option(help="replay propose as CUDA graphs")] = True,
+) -> None:
+    """GPU: run the artifact over a scripted scenario, check its drafts against the reference, print latency."""
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.errors import DFlashError
+    from dflash_compiler.runtime.drafter import Drafter
+    from dflash_compiler.selfcheck import default_scenario, self_check
+    from dflash_compiler.sources import checkpoint_source
+
+    try:
+        cfg = load_drafter_config(drafter_dir)
+        tensor = checkpoint_source(cfg, drafter_dir, target_model)
+        drafter = Drafter.load(artifact, use_graphs=graphs)
+        result = self_check(drafter, cfg, tensor, default_scenario(sequences, steps, seed))
+    except InputError as error:
+        raise _fail(error) from None
+    except DFlashError as error:
+        err_console.print(f"[bold red]error[/]: {error}")
+        raise typer.Exit(code=1) from None
+    console.print(f"{drafter.device.name}: {result.comparison.summary()}")
+    console.print(
+        f"propose step (host in, drafts out): median {result.median_propose_ms:.3f} ms over "
+        f"{len(result.propose_ms)} steps"
+    )
+    for line in result.comparison.mismatches[:20]:
+        err_console.print(f"  [red]-[/] {line}")
+    if not result.comparison.ok:
+        raise typer.Exit(code=1)
 
 
 @app.command()

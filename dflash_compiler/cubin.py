@@ -52,19 +52,41 @@ def cubin_arch(cubin: bytes) -> str:
     return f"sm_{sm}{'a' if arch_specific else ''}"
 
 
-def _sections(data: bytes) -> dict[str, bytes]:
+def static_shared_bytes(cubin: bytes) -> dict[str, int]:
+    """Static `__shared__` bytes per kernel: the size of its `.nv.shared.<kernel>` section (NOBITS)."""
+    prefix = ".nv.shared."
+    return {name[len(prefix) :]: size for name, size in _section_sizes(bytes(cubin)).items() if name.startswith(prefix)}
+
+
+def kernel_names(cubin: bytes) -> list[str]:
+    """The kernels whose code the cubin holds (its `.text.<kernel>` sections)."""
+    return [name.removeprefix(".text.") for name, *_ in _section_headers(bytes(cubin)) if name.startswith(".text.")]
+
+
+def _section_headers(data: bytes) -> list[tuple[str, int, int, int]]:
+    """(name, type, offset, size) of every ELF section."""
     (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     if shoff == 0 or shnum == 0 or shoff + shnum * shentsize > len(data):
-        return {}
+        return []
     headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
     names_off = headers[shstrndx][4]
-    out = {}
+    out = []
     for name_idx, sh_type, _flags, _addr, offset, size in headers:
         start = names_off + name_idx
-        name = data[start : data.index(b"\0", start)].decode(errors="replace")
-        out[name] = data[offset : offset + size] if sh_type != 8 else b""  # SHT_NOBITS holds no bytes
+        out.append((data[start : data.index(b"\0", start)].decode(errors="replace"), sh_type, offset, size))
     return out
+
+
+def _section_sizes(data: bytes) -> dict[str, int]:
+    return {name: size for name, _type, _offset, size in _section_headers(data)}
+
+
+def _sections(data: bytes) -> dict[str, bytes]:
+    return {
+        name: data[offset : offset + size] if sh_type != 8 else b""  # SHT_NOBITS holds no bytes
+        for name, sh_type, offset, size in _section_headers(data)
+    }
 
 
 def _nv_compat(data: bytes) -> dict[int, int]:

@@ -17,6 +17,7 @@ from dflash_compiler.ir.interpret import interpret
 from dflash_compiler.ir.weights import WeightCache
 from dflash_compiler.lower import PAGE_SIZE, Program
 from dflash_compiler.runtime.pages import PageAllocator
+from dflash_compiler.runtime.steps import context_step, propose_step
 
 
 @dataclass(frozen=True)
@@ -62,22 +63,9 @@ class GraphDrafter:
         self, seq_ids: Sequence[int], taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]
     ) -> None:
         """Append each sequence's new context rows (``taps[i] [C_i, T*H_t]`` at ``positions[i]``)."""
-        ends = {}
-        for seq_id, pos in zip(seq_ids, positions, strict=True):
-            pos = np.asarray(pos)
-            length = self.pages.length(seq_id)
-            if len(pos) and (pos[0] > length or np.any(np.diff(pos) != 1)):
-                raise ValueError(
-                    f"sequence {seq_id}: context positions must be consecutive and start at or before its "
-                    f"length {length}, got {pos.tolist()}"
-                )
-            ends[seq_id] = max(length, int(pos[-1]) + 1) if len(pos) else length
-        self.pages.reserve(ends)
-        slots = np.array(
-            [self.pages.slot(s, int(p)) for s, pos in zip(seq_ids, positions, strict=True) for p in pos], np.int32
-        )
+        step = context_step(self.pages, seq_ids, positions)
+        slots, all_pos = step.slots, step.positions
         all_taps = np.concatenate([np.asarray(t, np.float32) for t in taps])
-        all_pos = np.concatenate([np.asarray(p) for p in positions]).astype(np.int32)
         interpret(
             self.program.append_context,
             {"taps": all_taps, "ctx_positions": all_pos, "ctx_slots": slots},
@@ -90,13 +78,9 @@ class GraphDrafter:
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         """Draft ``gamma`` tokens per sequence; the anchor sits at the sequence's cached length."""
         blk = self.cfg.block_size
-        lens = np.array([self.pages.length(s) for s in seq_ids], np.int32)
-        owned = [self.pages.pages(s) for s in seq_ids]
-        table = np.zeros((len(seq_ids), max(1, *(len(p) for p in owned))), np.int32)
-        for i, pages in enumerate(owned):
-            table[i, : len(pages)] = pages
+        step = propose_step(self.pages, seq_ids, blk)
+        lens, table, positions = step.cache_lens, step.block_table, step.positions
         maxp = table.shape[1]
-        positions = (lens[:, None] + np.arange(blk, dtype=np.int32)[None, :]).reshape(-1)
         out = interpret(
             self.program.propose,
             {

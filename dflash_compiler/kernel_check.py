@@ -169,7 +169,7 @@ def run_case(
         ref = spec.reference({k: v.copy() for k, v in arrays.items()})
         result = CheckResult(case, mismatches(spec, got, ref), max_relative_error(spec, got, ref))
         if repeats:
-            result.samples_us = time_launches(launch_all, repeats)
+            result.samples_us = time_launches(device, launch_all, repeats)
             result.median_us = statistics.median(result.samples_us)
             result.bytes_moved = bytes_moved(spec, sizes, arrays)
         return result
@@ -178,23 +178,29 @@ def run_case(
             device.free(pointer)
 
 
-def time_launches(record: Callable[[Any], None], repeats: int, per_graph: int = 10) -> list[float]:
-    """µs per launch sequence: `per_graph` sequences captured in a CUDA graph, replayed `repeats` times.
+def time_launches(
+    device: Device, record: Callable[[Any], None], repeats: int, flush_bytes: int = 256 << 20
+) -> list[float]:
+    """µs of one launch sequence (captured in a CUDA graph), cold: the L2 is flushed before each replay.
 
-    Replaying a graph keeps the GPU busy back to back, so host launch overhead is not in the figure.
+    Each replay is queued behind a memset of `flush_bytes` (several times any L2), so the timed work
+    starts from DRAM and the host's launch latency hides behind the memset.
     """
     stream = Stream()
-    graph = CudaGraph(stream, lambda s: [record(s) for _ in range(per_graph)])
+    graph = CudaGraph(stream, record)
+    flush = device.alloc(flush_bytes)
     try:
-        graph.launch(stream)  # warm
+        graph.launch(stream)  # warm: module load, first-touch
         samples = []
         for _ in range(repeats):
+            device.memset_async(flush, flush_bytes, stream)
             with EventTimer(stream.handle) as timer:
                 graph.launch(stream)
-            samples.append(timer.elapsed_ms() * 1e3 / per_graph)
+            samples.append(timer.elapsed_ms() * 1e3)
         return samples
     finally:
         stream.synchronize()
+        device.free(flush)
         graph.destroy()
         stream.destroy()
 

@@ -1,7 +1,9 @@
-"""The compiler pipeline, top to bottom: validate → lower → passes → (schedule → build → emit).
+"""The compiler pipeline, top to bottom: validate → lower → passes → schedule → build → emit.
 
 ``PASSES`` is the one list of graph rewrites; each runs over both phases. With a dump directory the
-graph of every phase is written after every step (``03_fuse_gate_up.propose.txt``).
+graph of every phase is written after every step (``03_fuse_gate_up.propose.txt``). `compile_drafter`
+runs the whole pipeline: `optimize` (lower + passes), `build_kernels` (schedule every node, TVM → CUDA →
+cubin) and `emit` (the artifact directory).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +32,10 @@ from dflash_compiler.ir_passes.size_kv_cache import size_kv_cache
 from dflash_compiler.lower import Program, lower
 from dflash_compiler.options import BuildOptions, Precision
 from dflash_compiler.plans import PlanError
+from dflash_compiler.targets import Target
+
+if TYPE_CHECKING:
+    from dflash_compiler.artifact import Manifest
 
 PASSES: list[tuple[str, Pass]] = [
     ("fuse_context_kv", fuse_context_kv),
@@ -96,6 +103,28 @@ def optimize(
             on_step(label)
     check_exclude_globs(program, options)
     return program
+
+
+def compile_drafter(
+    cfg: DrafterConfig,
+    options: BuildOptions,
+    target: Target,
+    out_dir: Path,
+    tensors: Callable[[str], np.ndarray] | None = None,
+    dump_dir: Path | None = None,
+    overwrite: bool = False,
+    on_step: Callable[[str], None] | None = None,
+) -> tuple[Path, Manifest]:
+    """The artifact of `cfg` for `target` (kernels and plans; weights are packed separately)."""
+    from dflash_compiler.emit import emit
+    from dflash_compiler.kernel_build import build_kernels
+
+    program = optimize(cfg, options, tensors=tensors, dump_dir=dump_dir, on_step=on_step)
+    build = build_kernels(program, target, on_step=on_step)
+    path, manifest = emit(out_dir, cfg, options, program, build, overwrite=overwrite)
+    if on_step is not None:
+        on_step("emit")
+    return path, manifest
 
 
 def check_exclude_globs(program: Program, options: BuildOptions) -> None:

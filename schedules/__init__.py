@@ -1,17 +1,47 @@
-"""Schedule rules, one kernel family per file: `rule.apply(node_or_func, target, knobs) -> Kernel | None`.
+"""Schedule rules, one kernel family per file: `rule.apply(op_or_spec, target, knobs) -> Kernel | None`.
 
 Importing this package does not import TVM; a rule imports it when it builds a kernel.
 """
 
-from .base import Kernel, Rule, ScheduleError, apply_rules
+from .argmax import ArgmaxRule
+from .attention import AttentionRule
+from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, Rule, ScheduleError, apply_rules
+from .elementwise import ElementwiseRule
+from .embed import EmbedRule
+from .head_norm_rope import HeadNormRopeRule
+from .kv_write import KVWriteRule
+from .linear import LinearGemvRule, LinearMmaRule
 from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
 
-# Tried in order by `apply_rules`; grows one family at a time (a generic fallback goes last).
-RULES: tuple[Rule, ...] = (RMSNormRule(),)
+# Tried in order by `apply_rules`. Families do not overlap except the linears: the tensor-core rule takes
+# the shapes it can tile, and the SIMT GEMV (correct for any shape) takes the rest.
+RULES: tuple[Rule, ...] = (
+    RMSNormRule(),
+    LinearMmaRule(),
+    LinearGemvRule(),
+    AttentionRule(),
+    KVWriteRule(),
+    HeadNormRopeRule(),
+    ElementwiseRule(),
+    EmbedRule(),
+    ArgmaxRule(),
+)
 
 __all__ = [
     "RULES",
+    "ArgmaxRule",
+    "AttentionRule",
+    "ElementwiseRule",
+    "EmbedRule",
+    "FamilyRule",
+    "HeadNormRopeRule",
+    "KVWriteRule",
     "Kernel",
+    "KernelSpec",
+    "LinearGemvRule",
+    "LinearMmaRule",
+    "OpInstance",
+    "Param",
     "RMSNormRule",
     "RMSNormSpec",
     "Rule",

@@ -49,3 +49,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         help="check bundle(s) written by `bench/kernels.py build` to run in tests/gpu (repeatable)",
     )
+    parser.addoption(
+        "--artifact",
+        action="append",
+        default=[],
+        help="artifact(s) of bundled examples, without weights, to pack and run in tests/gpu (repeatable)",
+    )

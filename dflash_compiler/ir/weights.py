@@ -37,6 +37,24 @@ class WeightDecl:
             out.extend([s] if isinstance(s, str) else s.checkpoint_names())
         return tuple(out)
 
+    def to_json(self) -> dict[str, Any]:
+        """A JSON form that `from_json` reads back to an equal declaration (the manifest stores it)."""
+        return {
+            "transform": self.transform,
+            "sources": [s if isinstance(s, str) else s.to_json() for s in self.sources],
+            "params": [[k, list(v) if isinstance(v, tuple) else v] for k, v in self.params],
+            "output": self.output,
+        }
+
+    @staticmethod
+    def from_json(raw: Mapping[str, Any]) -> WeightDecl:
+        return WeightDecl(
+            str(raw["transform"]),
+            tuple(s if isinstance(s, str) else WeightDecl.from_json(s) for s in raw["sources"]),
+            tuple((str(k), tuple(v) if isinstance(v, list) else v) for k, v in raw["params"]),
+            int(raw["output"]),
+        )
+
     def render(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params if not isinstance(v, tuple))
         names = [s if isinstance(s, str) else s.render() for s in self.sources]

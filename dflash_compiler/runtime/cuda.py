@@ -82,19 +82,39 @@ class Device:
     def free(self, pointer: int) -> None:
         check(_driver().cuMemFree(pointer), "cuMemFree")
 
-    def upload(self, array: np.ndarray, pointer: int | None = None) -> int:
-        """Copy a host array to the device (a new allocation unless `pointer` is given); returns the address."""
+    def upload(self, array: np.ndarray, pointer: int | None = None, stream: Stream | None = None) -> int:
+        """Copy a host array to the device (a new allocation unless `pointer` is given); returns the address.
+
+        With a stream the copy is ordered in it (and complete when this returns), so kernels queued on a
+        non-blocking stream after it see the data.
+        """
         host = np.ascontiguousarray(array)
         target = self.alloc(host.nbytes) if pointer is None else pointer
         if host.nbytes:
-            check(_driver().cuMemcpyHtoD(target, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+            cu = _driver()
+            if stream is None:
+                check(cu.cuMemcpyHtoD(target, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+            else:
+                check(cu.cuMemcpyHtoDAsync(target, host.ctypes.data, host.nbytes, stream.handle), "cuMemcpyHtoDAsync")
+                stream.synchronize()
         return target
 
-    def download(self, pointer: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    def download(self, pointer: int, shape: tuple[int, ...], dtype: Any, stream: Stream | None = None) -> np.ndarray:
         out = np.empty(shape, dtype)
         if out.nbytes:
-            check(_driver().cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
+            cu = _driver()
+            if stream is None:
+                check(cu.cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
+            else:
+                check(cu.cuMemcpyDtoHAsync(out.ctypes.data, pointer, out.nbytes, stream.handle), "cuMemcpyDtoHAsync")
+                stream.synchronize()
         return out
+
+    def memset_async(self, pointer: int, nbytes: int, stream: Stream) -> None:
+        check(_driver().cuMemsetD8Async(pointer, 0, nbytes, stream.handle), "cuMemsetD8Async")
+
+    def zero(self, pointer: int, nbytes: int) -> None:
+        check(_driver().cuMemsetD8(pointer, 0, nbytes), "cuMemsetD8")
 
     def copy(self, dst: int, src: int, nbytes: int, stream: Any = 0) -> None:
         check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")

@@ -1,0 +1,328 @@
+"""Linear-family benchmark: check and time the drafter's GEMVs on a GPU, against the copy bandwidth.
+
+Two steps, because the build box has TVM and no GPU and the GPU box has no TVM:
+
+    # build box: schedule + compile the linear kernels (Qwen3-8B-DFlash shapes, bf16 and FP8 weights)
+    python bench/linear.py build -o build/linear [--sweep]
+    # GPU box (numpy, ml_dtypes, pydantic, cuda-python)
+    PYTHONPATH=. python bench/linear.py run build/linear [--log linear.log]
+
+`run` prints, per kernel and row count m: the median µs per call of >= 30 timed replays, the bytes the call
+must move (weight + scale + x + y), GB/s, % of the device-to-device copy bandwidth (bytes read + written)
+measured in the same run, and the largest error against the spec's numpy reference (a mismatch, judged by
+schedules/check.py, fails the run). Every timed launch reads another copy of the weight, with enough copies
+to exceed the L2 several times over, so the figure is a DRAM stream as in the model, where every layer's
+weight is distinct. `--sweep` adds knob variants of the big shapes (named `<kernel>__w<warps>r<row_tiles>
+u<unroll>m<m_tile>s<stages>`) to pick per-target defaults from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402 - after the path setup, like the other bench scripts
+
+from dflash_compiler.schedules.linear import BF16, FP8, LinearSpec  # noqa: E402
+
+# Qwen3-8B-DFlash-b16 linears (n, k): block-row layers, context layers and the target's lm_head.
+SHAPES: dict[str, tuple[str, int, int]] = {
+    "qkv": ("matmul", 6144, 4096),
+    "o_proj": ("matmul", 4096, 4096),
+    "gate_up": ("matmul", 24576, 4096),
+    "down": ("matmul", 4096, 12288),
+    "fc": ("matmul", 4096, 20480),
+    "ctx_kv": ("matmul", 10240, 4096),
+    "lm_head": ("lm_head", 151936, 4096),
+}
+BLOCK_ROWS = (1, 8, 16, 32, 64, 128)
+CONTEXT_ROWS = (7, 512)  # fc and ctx_kv also run on context rows: 7 per step, up to 512 at prefill
+SWEEP_SHAPES = ("qkv", "o_proj", "gate_up", "down", "fc", "lm_head")
+SWEEP_ROWS = (16, 32, 64)
+# (warps, row_tiles, unroll, m_tile, stages) around the default (4, 1, 4, 16, 2)
+SWEEP_KNOBS = (
+    (8, 1, 4, 16, 1), (8, 1, 2, 16, 2), (8, 1, 8, 16, 1), (16, 1, 2, 16, 2), (16, 1, 4, 16, 1),
+    (16, 1, 4, 16, 2), (4, 1, 8, 16, 2), (8, 2, 2, 16, 2), (16, 2, 2, 16, 1), (8, 1, 4, 16, 2),
+    (8, 1, 2, 32, 2), (8, 1, 4, 32, 1), (8, 1, 2, 64, 1), (4, 1, 2, 64, 2), (16, 1, 2, 32, 2),
+)  # fmt: skip
+# --small: fewer registers per block for the small weights (qkv, o_proj), where 2 blocks per SM leave
+# the last wave of blocks partly empty
+SMALL_SHAPES = ("qkv", "o_proj")
+SMALL_KNOBS = ((2, 1, 4, 16, 2), (4, 1, 2, 16, 2), (4, 1, 4, 16, 1), (2, 1, 8, 16, 1), (2, 1, 4, 16, 1))
+# Small and odd shapes: the mma path with ragged rows and short k, and the SIMT fallback (correctness only).
+ODD: tuple[tuple[str, str, int, int, str], ...] = (
+    ("mma", "matmul", 8, 64, BF16),
+    ("mma", "matmul", 16, 64, BF16),
+    ("mma", "matmul", 192, 64, BF16),
+    ("mma", "matmul", 200, 96, BF16),
+    ("mma", "lm_head", 384, 64, BF16),
+    ("mma", "matmul_fp8", 72, 128, FP8),
+    ("mma", "lm_head", 512, 64, FP8),
+    ("gemv", "matmul", 8, 100, BF16),
+    ("gemv", "matmul", 13, 1001, BF16),
+    ("gemv", "matmul_fp8", 192, 96, FP8),
+    ("gemv", "lm_head", 384, 64, BF16),
+    ("gemv", "matmul", 4096, 4096, BF16),
+)
+ODD_ROWS = (1, 7, 16, 33)
+FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
+
+
+# ------------------------------------------------------------------------------------------ build side
+
+
+def _spec_fields(spec: LinearSpec) -> dict[str, Any]:
+    return {"op": spec.op, "n": spec.n, "k": spec.k, "weight_dtype": spec.weight_dtype,
+            "out_dtype": spec.out_dtype, "name": spec.name}  # fmt: skip
+
+
+def build(args: argparse.Namespace) -> None:
+    import tvm
+
+    from dflash_compiler.codegen import lower_to_cuda
+    from dflash_compiler.nvrtc import compile_cubin
+    from dflash_compiler.schedules.base import ScheduleError
+    from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule
+    from dflash_compiler.targets import get_target
+
+    target = get_target(args.target)
+    mma, gemv = LinearMmaRule(), LinearGemvRule()
+    entries: list[dict[str, Any]] = []
+    funcs: dict[str, Any] = {}
+
+    def add(label: str, spec: LinearSpec, rule: Any, rows: Iterable[int], knobs: dict[str, int] | None = None,
+            timed: bool = True) -> None:  # fmt: skip
+        kernel = rule.apply(spec, target, knobs)
+        if kernel is None:
+            raise SystemExit(f"{rule.name} declined {spec.name}")
+        funcs[kernel.name] = kernel.func
+        entries.append({"label": label, "spec": _spec_fields(spec), "rule": kernel.rule, "knobs": dict(kernel.knobs),
+                        "rows": list(rows), "timed": timed})  # fmt: skip
+
+    for label, (op, n, k) in SHAPES.items():
+        rows = BLOCK_ROWS + (CONTEXT_ROWS if label in ("fc", "ctx_kv") else ())
+        for wdtype in (BF16, FP8):
+            op_w = "matmul_fp8" if (op == "matmul" and wdtype == FP8) else op
+            spec = LinearSpec(op=op_w, n=n, k=k, weight_dtype=wdtype)
+            add(f"{label}{'_fp8' if wdtype == FP8 else ''}", spec, mma, rows)
+            variants = SWEEP_KNOBS if args.sweep and label in SWEEP_SHAPES else ()
+            if args.small and label in SMALL_SHAPES and wdtype == BF16:
+                variants += SMALL_KNOBS
+            for w, rt, u, mt, st in variants:
+                tag = f"w{w}r{rt}u{u}m{mt}s{st}"
+                variant = LinearSpec(op=op_w, n=n, k=k, weight_dtype=wdtype, name=f"{spec.name}__{tag}")
+                knobs = {"warps": w, "row_tiles": rt, "unroll": u, "m_tile": mt, "stages": st}
+                variant_rows = SWEEP_ROWS if (w, rt, u, mt, st) in SWEEP_KNOBS else (1, 16)
+                try:
+                    add(f"{label}{'_fp8' if wdtype == FP8 else ''} {tag}", variant, mma, variant_rows, knobs)
+                except ScheduleError as exc:
+                    print(f"skip {variant.name}: {exc}")
+    for path, op, n, k, wdtype in ODD:
+        spec = LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype)
+        rule = mma if path == "mma" else gemv
+        if path == "gemv":
+            spec = LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype, name=f"{spec.name}__simt")
+        add(f"odd {path} {op} {n}x{k}", spec, rule, ODD_ROWS, timed=(n, k) == (4096, 4096))
+
+    t0 = time.time()
+    cuda = lower_to_cuda(tvm.IRModule(funcs), target)
+    t1 = time.time()
+    cubin = compile_cubin(cuda.source, target.arch)
+    t2 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.cubin").write_bytes(cubin)
+    (out / "kernels.cu").write_text(cuda.source)
+    table = {name: fn.model_dump(mode="json") for name, fn in cuda.functions.items()}
+    (out / "table.json").write_text(json.dumps({"arch": target.arch, "functions": table}, indent=1))
+    (out / "entries.json").write_text(json.dumps(entries, indent=1))
+    print(f"{len(funcs)} kernels for {target.arch}: codegen {t1 - t0:.1f} s, NVRTC {t2 - t1:.1f} s, "
+          f"cubin {len(cubin)} B -> {out}")  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------- GPU side
+
+
+class Log:
+    """Print every line and append it to the --log file as it goes (a timed-out run keeps its lines)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        if self.path:
+            self.path.write_text("")
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
+
+
+def _time(record: Callable[[Any], None], launches: int, repeats: int) -> list[float]:
+    """µs per launch: `record` (`launches` kernel launches) captured in a CUDA graph, replayed `repeats` times."""
+    from dflash_compiler.runtime.cuda import CudaGraph, EventTimer, Stream
+
+    stream = Stream()
+    graph = CudaGraph(stream, record)
+    try:
+        graph.launch(stream)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            with EventTimer(stream.handle) as timer:
+                graph.launch(stream)
+            samples.append(timer.elapsed_ms() * 1e3 / launches)
+        return samples
+    finally:
+        stream.synchronize()
+        graph.destroy()
+        stream.destroy()
+
+
+class Bench:
+    """The GPU side: one loaded cubin, the copy bandwidth, and one group of entries per weight."""
+
+    def __init__(self, bundle: Path, repeats: int, log: Log) -> None:
+        from cuda.bindings import driver as cu
+
+        from dflash_compiler.codegen import HostFunction
+        from dflash_compiler.kernel_check import copy_bandwidth
+        from dflash_compiler.runtime.cuda import Device, Module, check
+
+        missing = [f for f in FILES if not (bundle / f).is_file()]
+        if missing:
+            raise SystemExit(f"{bundle}: not a linear bench bundle, missing {', '.join(missing)}; run `build` first")
+        table = json.loads((bundle / "table.json").read_text())
+        self.functions = {name: HostFunction.model_validate(fn) for name, fn in table["functions"].items()}
+        self.device = Device()
+        self.module = Module((bundle / "kernels.cubin").read_bytes())
+        attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
+        self.l2 = int(check(cu.cuDeviceGetAttribute(attr, self.device.handle), "cuDeviceGetAttribute(L2)"))
+        self.copy_bw = copy_bandwidth(self.device)
+        self.repeats, self.log = repeats, log
+        self.results: list[dict[str, Any]] = []
+        log(f"device: {self.device.name} (cc {self.device.compute_capability}), L2 {self.l2 >> 20} MiB, "
+            f"cubin {table['arch']}")  # fmt: skip
+        log(f"copy bandwidth (D2D 1 GiB, read + write): {self.copy_bw / 1e9:.0f} GB/s")
+        log(f"{'kernel':30s} {'m':>4s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'err':>8s}  knobs")
+
+    def group(self, base: LinearSpec, members: list[dict[str, Any]], rng: np.random.Generator) -> None:
+        """Every entry computing `base`: one sample at the largest m (rows are independent, so the first m
+        rows of x give the first m rows of the reference) and one set of weight copies in device memory."""
+        from cuda.bindings import driver as cu
+
+        from dflash_compiler.runtime.cuda import check
+
+        device = self.device
+        t0 = time.time()
+        arrays = base.sample(rng, {"m": max(max(e["rows"]) for e in members)})
+        ref = base.reference(arrays)["y"]
+        t_ref = time.time() - t0
+        w_bytes = arrays["w"].nbytes
+        # enough weight copies that a replay never finds the previous read of the same copy in L2
+        copies = max(1, -(-4 * self.l2 // w_bytes)) if any(e["timed"] for e in members) else 1
+        ptr = {"x": device.upload(arrays["x"]), "y": device.alloc(arrays["y"].nbytes)}
+        if base.fp8:
+            ptr["scale"] = device.upload(arrays["scale"])
+        weights = [device.upload(arrays["w"])]
+        for _ in range(copies - 1):
+            weights.append(device.alloc(w_bytes))
+            device.copy(weights[-1], weights[0], w_bytes)
+        device.synchronize()
+        try:
+            for e in members:
+                for m in e["rows"]:
+                    check(cu.cuMemsetD8(ptr["y"], 0xFF, arrays["y"].nbytes), "cuMemsetD8")  # NaN where unwritten
+                    self.case(e, m, ptr, weights, ref[:m], arrays["y"].dtype)
+        finally:
+            for p in [*ptr.values(), *weights]:
+                device.free(p)
+        self.log(f"# {base.op} {base.n}x{base.k} {base.weight_dtype}: sample+reference {t_ref:.1f} s, "
+                 f"{copies} weight copies")  # fmt: skip
+
+    def case(self, e: dict[str, Any], m: int, ptr: dict[str, int], weights: list[int], ref: np.ndarray,
+             out_type: Any) -> None:  # fmt: skip
+        from dflash_compiler.schedules.check import max_relative_error, mismatches
+
+        spec = LinearSpec(**e["spec"])
+        (launch,) = self.functions[spec.name].kernels
+        env = {"m": m}
+        self.module.launch(launch, {**ptr, "w": weights[0]}, env)
+        self.device.synchronize()
+        got = {"y": self.device.download(ptr["y"], (m, spec.n), out_type)}
+        problems = mismatches(spec, got, {"y": ref})
+        err = max_relative_error(spec, got, {"y": ref})
+        us = gbps = pct = float("nan")
+        if e["timed"]:
+            per = max(1, -(-16 // len(weights)))  # at least 16 launches per replay
+
+            def record(stream: Any) -> None:
+                for _ in range(per):
+                    for w_ptr in weights:
+                        self.module.launch(launch, {**ptr, "w": w_ptr}, env, stream)
+
+            us = statistics.median(_time(record, per * len(weights), self.repeats))
+            gbps = spec.bytes_moved(env) / (us * 1e-6) / 1e9
+            pct = 100 * gbps * 1e9 / self.copy_bw
+        knobs = ",".join(f"{k}={v}" for k, v in e["knobs"].items())
+        status = "" if not problems else "  MISMATCH " + problems[0]
+        self.log(f"{e['label']:30s} {m:4d} {us:9.2f} {gbps:7.0f} {pct:6.1f} {err:8.1e}  {knobs}{status}")
+        self.results.append({"label": e["label"], "kernel": spec.name, "m": m, "us": us, "gbps": gbps,
+                             "pct_copy": pct, "max_rel_err": err, "ok": not problems, "knobs": e["knobs"]})  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    log = Log(args.log)
+    bundle = Path(args.bundle)
+    bench = Bench(bundle, args.repeats, log)
+    entries = json.loads((bundle / "entries.json").read_text())
+    if args.only:
+        entries = [e for e in entries if any(o in e["label"] for o in args.only)]
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for e in entries:
+        s = e["spec"]
+        groups.setdefault((s["op"], s["n"], s["k"], s["weight_dtype"], s["out_dtype"]), []).append(e)
+    rng = np.random.default_rng(0)
+    for (op, n, k, wdtype, out_dtype), members in groups.items():
+        bench.group(LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype, out_dtype=out_dtype), members, rng)
+    failed = sum(not r["ok"] for r in bench.results)
+    log(f"copy bandwidth (D2D 1 GiB, read + write): {bench.copy_bw / 1e9:.0f} GB/s")
+    log(f"{len(bench.results) - failed}/{len(bench.results)} checks match numpy")
+    if args.json:
+        payload = {"device": bench.device.name, "copy_gbps": bench.copy_bw / 1e9, "results": bench.results}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build box: schedule + compile the linear kernels")
+    b.add_argument("--target", default="sm_90")
+    b.add_argument("--sweep", action="store_true", help="add knob variants of the big shapes")
+    b.add_argument("--small", action="store_true", help="add low-register variants of qkv and o_proj")
+    b.add_argument("-o", "--out", required=True)
+    r = sub.add_parser("run", help="GPU box: check and time every kernel")
+    r.add_argument("bundle")
+    r.add_argument("--repeats", type=int, default=30)
+    r.add_argument("--only", nargs="*", default=(), help="substrings of the labels to run (default: all)")
+    r.add_argument("--log", help="also write the table here")
+    r.add_argument("--json", help="also write the results here as JSON")
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

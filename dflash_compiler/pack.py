@@ -1,0 +1,47 @@
+"""pack-weights: compute the artifact's packed tensors from the checkpoints (numpy + safetensors only).
+
+Runs on the deploy box, which has no TVM: the manifest declares every packed tensor (fused K/V and QKV
+rows, FP8 rows and their scales, the RoPE table) as a transform of checkpoint tensors, and this applies
+the declarations exactly as the build's interpreter did. The checkpoint must be the one the artifact was
+compiled for: its config must hash to the manifest's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from dflash_compiler.artifact import WEIGHTS, ArtifactError, Manifest, add_file, config_sha256, load_manifest
+from dflash_compiler.checkpoint import TensorToWrite, write_safetensors
+from dflash_compiler.config import load_drafter_config
+from dflash_compiler.ir.weights import WeightCache, WeightDecl
+from dflash_compiler.sources import checkpoint_source
+
+# manifest dtype -> (numpy dtype, safetensors dtype name)
+_STORAGE = {
+    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+    "float32": (np.dtype(np.float32), "F32"),
+    "float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), "F8_E4M3"),
+}
+
+
+def pack_weights(artifact: Path, drafter_dir: Path, target_model: Path) -> Manifest:
+    """Write `weights.safetensors` into `artifact` (re-sealing its manifest); returns the new manifest."""
+    manifest = load_manifest(artifact, require=())
+    cfg = load_drafter_config(drafter_dir)
+    if config_sha256(cfg.raw) != manifest.config_sha256:
+        raise ArtifactError(
+            f"{drafter_dir}/config.json is not the config {artifact} was compiled from (sha256 differs). "
+            f"Fix: pack with the drafter it was built for, or rebuild: dflash-compile compile {drafter_dir} ..."
+        )
+    cache = WeightCache(checkpoint_source(cfg, Path(drafter_dir), Path(target_model)))
+    tensors = []
+    for name, record in sorted(manifest.weights.items()):
+        if record.dtype not in _STORAGE:
+            raise ArtifactError(f"weight {name}: dtype {record.dtype} cannot be stored; known {sorted(_STORAGE)}")
+        dtype, stored = _STORAGE[record.dtype]
+        decl = WeightDecl.from_json(record.decl)
+        tensors.append(TensorToWrite(name, record.shape, dtype, stored, make=lambda d=decl: cache.get(d)))
+    return add_file(Path(artifact), WEIGHTS, lambda path: write_safetensors(path, tensors))

@@ -1,0 +1,76 @@
+"""Run a loaded artifact and the numpy reference through the same scripted scenario and compare drafts.
+
+`dflash-compile run` and the GPU tests use it: the scenario drives several sequences of different prompt
+lengths through propose / append steps with acceptance, a rollback of padded verify rows, and a free
+followed by a new sequence reusing the freed pages (`protocol.Scenario`). Step latency is the median of
+the drafter's propose calls (host inputs in, drafts out, so it includes the copies).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_compiler.compare import DraftComparison, compare_drafts
+from dflash_compiler.config import DrafterConfig
+from dflash_compiler.protocol import Scenario, ScenarioRun, run_scenario
+from dflash_compiler.reference import BatchedReference, ReferenceDrafter
+from dflash_compiler.tensors import expected_drafter_tensors
+
+
+@dataclass
+class SelfCheck:
+    comparison: DraftComparison
+    run: ScenarioRun
+    propose_ms: list[float]
+
+    @property
+    def median_propose_ms(self) -> float:
+        return statistics.median(self.propose_ms) if self.propose_ms else float("nan")
+
+
+class _Timed:
+    """A drafter wrapper that records how long each propose call takes."""
+
+    def __init__(self, drafter: object) -> None:
+        self.inner = drafter
+        self.propose_ms: list[float] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def propose(self, seq_ids: object, anchors: object) -> object:
+        start = time.perf_counter()
+        out = self.inner.propose(seq_ids, anchors)  # type: ignore[attr-defined]
+        self.propose_ms.append((time.perf_counter() - start) * 1e3)
+        return out
+
+
+def reference_for(cfg: DrafterConfig, tensor: Callable[[str], np.ndarray]) -> BatchedReference:
+    weights = {name: tensor(name) for name in expected_drafter_tensors(cfg)}
+    ref = ReferenceDrafter(cfg, weights, tensor("target.embed_tokens"), tensor("target.lm_head"))
+    return BatchedReference(ref)
+
+
+def default_scenario(sequences: int = 4, steps: int = 20, seed: int = 0) -> Scenario:
+    prompts = tuple(3 + 13 * i for i in range(sequences))  # different lengths, crossing page boundaries
+    return Scenario(
+        prompt_lengths=prompts, steps=steps, seed=seed, padded_every=3, replace_at=steps // 2, replacement_prompt=9
+    )
+
+
+def self_check(
+    drafter: object,
+    cfg: DrafterConfig,
+    tensor: Callable[[str], np.ndarray],
+    scenario: Scenario,
+    reference: ScenarioRun | None = None,
+) -> SelfCheck:
+    timed = _Timed(drafter)
+    got = run_scenario(timed, cfg, scenario)
+    ref = reference or run_scenario(reference_for(cfg, tensor), cfg, scenario)
+    return SelfCheck(compare_drafts(cfg.family, ref.records, got.records), got, timed.propose_ms[1:])

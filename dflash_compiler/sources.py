@@ -1,0 +1,37 @@
+"""One tensor source over a drafter checkpoint and its target's embed_tokens / lm_head.
+
+Weight declarations name checkpoint tensors as the config expects them (`layers.0.mlp.up_proj.weight`)
+and the target's as `target.embed_tokens` / `target.lm_head`; this maps those names to the stored
+tensors (after the checkpoint checks, which also resolve prefixed names) and returns float32 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from dflash_compiler.config import DrafterConfig
+
+TensorSource = Callable[[str], np.ndarray]
+
+
+def checkpoint_source(cfg: DrafterConfig, drafter_dir: Path, target_model: Path) -> TensorSource:
+    """A checked tensor source; InputError (listing every problem) when either checkpoint is unusable."""
+    from dflash_compiler.target_model import check_target, load_target
+    from dflash_compiler.weights import WeightSet, check_drafter_weights
+
+    ws = WeightSet(drafter_dir)
+    report = check_drafter_weights(cfg, ws, check_values=False)
+    target = load_target(target_model, cfg)
+    check_target(cfg, target, check_values=False)
+
+    def tensor(name: str) -> np.ndarray:
+        if name == "target.embed_tokens":
+            return target.embed_tokens(as_f32=True)
+        if name == "target.lm_head":
+            return target.lm_head(as_f32=True)
+        return ws.get_f32(report.stored_names.get(name, name))
+
+    return tensor

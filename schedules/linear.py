@@ -1,0 +1,399 @@
+"""Linear layers: matmul, matmul_fp8 and lm_head, `y[i, j] = sum_k x[i, k] * W[j, k]` (times scale[j] for FP8).
+
+`x` is bf16 `[m, k]` with `m` rows symbolic (int32: block rows nb*blk, or context rows ctx), `W` is `[n, k]`
+bf16 or float8_e4m3fn (then a float32 per-output-row `scale[n]` follows it), the sum is f32, and `y` is bf16
+(matmul, matmul_fp8) or float32 (lm_head logits). The numpy reference is the graph interpreter's.
+
+Two rules:
+
+* `LinearMmaRule` — the hot path: a tensor-core GEMV (`linear_mma.py`) that streams the weight once with
+  16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension. It takes every
+  n and any k that is a multiple of one k step (32 for bf16 weights, 64 for FP8), on targets with bf16 mma.
+* `LinearGemvRule` — the generic fallback (SIMT): one block per (column, group of rows), threads split k
+  with vector loads and meet in a cross-thread reduction (TVM_NOTES §3b). Any n, k and m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dflash_compiler.ir.graph import Node, TensorType
+from dflash_compiler.ir.ops import Op
+from dflash_compiler.targets import Target
+
+from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError
+from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func
+
+ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
+BF16, FP8, F32 = "bfloat16", "float8_e4m3fn", "float32"
+ITEM_BYTES = {BF16: 2, FP8: 1, F32: 4}
+_OPS = {Op.MATMUL.value: (BF16,), Op.MATMUL_FP8.value: (FP8,), Op.LM_HEAD.value: (BF16, FP8)}
+_DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32}
+_OP_ATTR = "dflash.op"
+
+
+@dataclass(frozen=True)
+class LinearSpec(KernelSpec):
+    """What one linear kernel computes: `op` (the graph op's name), output features `n`, reduction `k`."""
+
+    op: str
+    n: int
+    k: int
+    weight_dtype: str = BF16
+    out_dtype: str = ""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ScheduleError(f"linear: op {self.op!r} is not one of {', '.join(_OPS)}")
+        if self.n <= 0 or self.k <= 0:
+            raise ScheduleError(f"linear: n and k must be positive, found n={self.n}, k={self.k}")
+        if self.weight_dtype not in _OPS[self.op]:
+            raise ScheduleError(
+                f"linear: {self.op} takes a {' or '.join(_OPS[self.op])} weight, found {self.weight_dtype}"
+            )
+        if not self.out_dtype:
+            object.__setattr__(self, "out_dtype", _DEFAULT_OUT[self.op])
+        if self.out_dtype not in (BF16, F32):
+            raise ScheduleError(f"linear: output dtype must be bfloat16 or float32, found {self.out_dtype}")
+        if self.n * self.k >= 2**31:
+            raise ScheduleError(
+                f"linear: the weight has {self.n * self.k} elements; the kernels index it with int32 (< 2^31). "
+                "Fix: split the linear along n"
+            )
+        if not self.name:
+            fp8 = "_fp8" if self.op == Op.LM_HEAD.value and self.fp8 else ""
+            out = "" if self.out_dtype == _DEFAULT_OUT[self.op] else "_f32" if self.out_dtype == F32 else "_bf16"
+            object.__setattr__(self, "name", f"{self.op}{fp8}_n{self.n}_k{self.k}{out}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_dtype == FP8
+
+    def params(self) -> tuple[Param, ...]:
+        scale = (Param("scale", F32, (self.n,)),) if self.fp8 else ()
+        return (
+            Param("x", BF16, (ROWS, self.k)),
+            Param("w", self.weight_dtype, (self.n, self.k)),
+            *scale,
+            Param("y", self.out_dtype, (ROWS, self.n), "out"),
+        )
+
+    def prim_func(self) -> Any:
+        return linear_func(self)
+
+    def bytes_moved(self, sizes: Mapping[str, int]) -> int:
+        """DRAM bytes one call must move: the weight (and FP8 scales) once, x read, y written."""
+        rows = sizes[ROWS]
+        weight = self.n * self.k * ITEM_BYTES[self.weight_dtype] + (4 * self.n if self.fp8 else 0)
+        return weight + rows * self.k * ITEM_BYTES[BF16] + rows * self.n * ITEM_BYTES[self.out_dtype]
+
+    def node(self) -> Node:
+        """The graph node this spec computes (the reference evaluates it with the graph interpreter)."""
+        return Node.make(Op(self.op), [TensorType(self.out_dtype, (ROWS, self.n))])
+
+    def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from dflash_compiler.ir import evaluate_node
+
+        args = [arrays["x"], arrays["w"], *([arrays["scale"]] if self.fp8 else [])]
+        (y,) = evaluate_node(self.node(), args)
+        return {"y": y}
+
+    def sample(self, rng: np.random.Generator, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+        import ml_dtypes
+
+        rows = sizes[ROWS]
+        x = rng.standard_normal((rows, self.k), dtype=np.float32).astype(ml_dtypes.bfloat16)
+        out_type = ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32
+        arrays = {"x": x, "w": random_weight(rng, (self.n, self.k), self.weight_dtype)}
+        if self.fp8:
+            arrays["scale"] = rng.uniform(0.005, 0.02, self.n).astype(np.float32)
+        arrays["y"] = np.zeros((rows, self.n), out_type)
+        return arrays
+
+
+def random_weight(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np.ndarray:
+    """Random finite weights drawn as bit patterns, so an lm_head-sized matrix (6e8 values) takes seconds.
+
+    bf16: random sign and mantissa, exponent 120..123 (|w| in [2^-7, 2^-3)). e4m3: random sign, exponent
+    0..7 and mantissa (zero, subnormals, up to 1.875), never the NaN pattern (exponent 15, mantissa 7).
+    """
+    import ml_dtypes
+
+    if dtype == FP8:
+        bits8 = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        bits8 &= np.uint8(0xBF)
+        return bits8.view(ml_dtypes.float8_e4m3fn)
+    bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    bits &= np.uint16(0x81FF)
+    bits |= np.uint16(0x3C00)
+    return bits.view(ml_dtypes.bfloat16)
+
+
+def linear_func(spec: LinearSpec) -> Any:
+    """The unscheduled TE PrimFunc (params x, w[, scale], y): the CPU oracle and the SIMT schedule's input."""
+    from tvm import te, tirx
+
+    m = tirx.Var(ROWS, "int32")  # int32: an int64 row var mixed with int32 constants breaks schedules
+    x = te.placeholder((m, spec.k), BF16, name="x")
+    w = te.placeholder((spec.n, spec.k), spec.weight_dtype, name="w")
+    r = te.reduce_axis((0, spec.k), name="r")
+
+    def weight(j: Any, kk: Any) -> Any:
+        return e4m3_to_f32(w[j, kk]) if spec.fp8 else w[j, kk].astype(F32)
+
+    acc = te.compute((m, spec.n), lambda i, j: te.sum(x[i, r].astype(F32) * weight(j, r), axis=r), name="acc")
+    if spec.fp8:
+        scale = te.placeholder((spec.n,), F32, name="scale")
+        y = te.compute((m, spec.n), lambda i, j: (acc[i, j] * scale[j]).astype(spec.out_dtype), name="y")
+        inputs = [x, w, scale]
+    else:
+        y = te.compute((m, spec.n), lambda i, j: acc[i, j].astype(spec.out_dtype), name="y")
+        inputs = [x, w]
+    func = te.create_prim_func([*inputs, y])
+    attrs = {"global_symbol": spec.name, _OP_ATTR: spec.op, "dflash.n": spec.n, "dflash.k": spec.k}
+    for key, value in attrs.items():
+        func = func.with_attr(key, value)
+    return func
+
+
+def e4m3_to_f32(value: Any) -> Any:
+    """An e4m3 value as f32, decoded from its bits (exact for every non-NaN value).
+
+    Why not `astype`: TVM 0.27's llvm lowering of the e4m3 → f32 cast treats exponent 0 as a normal
+    exponent (0x00 → 2^-7, every subnormal off), so the CPU oracle would disagree with the graph on zero
+    and subnormal weights. Bits: sign, 4-bit exponent (bias 7), 3-bit mantissa; exponent 0 is m · 2^-9.
+    """
+    from tvm import tirx
+
+    bits = tirx.reinterpret("uint8", value).astype("int32")
+    exponent = (bits >> 3) & 15
+    mantissa = (bits & 7).astype(F32)
+    step = tirx.reinterpret(F32, (tirx.max(exponent, 1) + 117) << 23)  # 2^(max(e, 1) - 10) from its f32 bits
+    magnitude = tirx.Select(exponent == 0, mantissa, mantissa + 8.0) * step
+    return tirx.Select((bits & 128) != 0, -magnitude, magnitude)
+
+
+def spec_of(subject: Any) -> LinearSpec | None:
+    """The LinearSpec of a linear graph node (bf16 x, bf16 or e4m3 W [n, k] with static n, k), else None."""
+    if isinstance(subject, LinearSpec):
+        return subject
+    if not isinstance(subject, OpInstance) or subject.op.value not in _OPS:
+        return None
+    inputs, outputs = subject.inputs, subject.outputs
+    if len(inputs) not in (2, 3) or len(outputs) != 1:
+        return None
+    x, w, out = inputs[0], inputs[1], outputs[0]
+    if len(x.shape) != 2 or len(w.shape) != 2 or len(out.shape) != 2:
+        return None
+    n, k = w.shape
+    if not isinstance(n, int) or not isinstance(k, int) or x.dtype != BF16 or x.shape[1] != k:
+        return None
+    fp8 = len(inputs) == 3
+    if fp8 != (w.dtype == FP8) or (fp8 and (inputs[2].dtype != F32 or inputs[2].shape != (n,))):
+        return None
+    if out.dtype not in (BF16, F32) or out.shape[1] != n:
+        return None
+    try:
+        return LinearSpec(op=subject.op.value, n=n, k=k, weight_dtype=w.dtype, out_dtype=out.dtype)
+    except ScheduleError:
+        return None  # e.g. a bf16 weight under matmul_fp8: not a linear this family computes
+
+
+# ------------------------------------------------------------------------------------ tensor-core rule
+
+
+def mma_step(spec: LinearSpec) -> int:
+    """k elements per k step of the mma kernel: 4 threads × one 16-byte weight vector each."""
+    return 4 * (16 // ITEM_BYTES[spec.weight_dtype])
+
+
+class LinearMmaRule(FamilyRule):
+    """Linears on tensor cores (targets with bf16 mma; k a multiple of 32, or 64 for FP8 weights).
+
+    Knobs: `warps` per block (they split k), `row_tiles` (16-row weight tiles per block), `unroll` (k steps
+    per batch of loads), `stages` (1: load a batch, then multiply it; 2: double buffer) and `m_tile` (rows
+    of x per pass over the weight, a multiple of 8). `warps` and `unroll` are upper bounds: the largest
+    values that divide the k steps evenly are used, and the Kernel reports the values used.
+    """
+
+    name = "linear_mma"
+    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages")
+    # FP8 weights: a k step is 64 wide, so its x fragments take twice the registers; double-buffering
+    # them would need ~250 registers per thread, so one stage and more warps keep the loads in flight.
+    FP8_DEFAULTS: ClassVar[dict[str, int]] = {"warps": 8, "stages": 1}
+
+    def default_knobs(self, target: Target) -> dict[str, int]:
+        # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
+        # blocks per SM (64K registers); each thread keeps 2 stages x 4 k steps x 2 rows x 16 B = 256 B of
+        # weight in flight, 64 KB per SM, above the ~36 KB that bandwidth x latency (4.8 TB/s / 132 SMs x
+        # ~1 us) asks for. m_tile 16 is one draft block of rows per pass; larger m re-streams the weight.
+        return {
+            "warps": min(4, target.max_threads_per_block // target.warp_size),
+            "row_tiles": 1,
+            "unroll": 4,
+            "m_tile": 16,
+            "stages": 2,
+        }
+
+    def spec_of(self, subject: Any) -> LinearSpec | None:
+        return spec_of(subject)
+
+    def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
+        spec = self.spec_of(subject)
+        if spec is None or not mma_fits(spec, target):
+            return None
+        chosen = self.resolve_knobs(target, {**(self.FP8_DEFAULTS if spec.fp8 else {}), **(knobs or {})})
+        plan = fit_mma_plan(spec, target, chosen)
+        return Kernel(name=spec.name, func=mma_gemv_func(spec, plan), reference=spec.prim_func(), rule=self.name,
+                      knobs=plan.knobs(), spec=spec)  # fmt: skip
+
+    def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
+        return mma_gemv_func(spec, fit_mma_plan(spec, target, knobs))
+
+
+def mma_fits(spec: LinearSpec, target: Target) -> bool:
+    return target.bf16_mma and target.warp_size == WARP and spec.k % mma_step(spec) == 0
+
+
+def fit_mma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> MmaPlan:
+    """The knobs fitted to `spec`: divisors of the k steps, checked against the target's limits."""
+    warps, row_tiles, unroll, m_tile = knobs["warps"], knobs["row_tiles"], knobs["unroll"], knobs["m_tile"]
+    stages = knobs["stages"]
+    rule = LinearMmaRule.name
+    if warps < 1 or WARP * warps > target.max_threads_per_block:
+        raise ScheduleError(
+            f"{rule} knob warps={warps}: expected 1 to {target.max_threads_per_block // WARP} on {target.name}"
+        )
+    if row_tiles < 1 or unroll < 1:
+        raise ScheduleError(f"{rule} knobs row_tiles={row_tiles}, unroll={unroll}: expected positive values")
+    if m_tile < 8 or m_tile % 8:
+        raise ScheduleError(f"{rule} knob m_tile={m_tile}: expected a positive multiple of 8")
+    if stages not in (1, 2):
+        raise ScheduleError(f"{rule} knob stages={stages}: expected 1 (load, then multiply) or 2 (double buffer)")
+    steps = spec.k // mma_step(spec)
+    warps = _largest_divisor(steps, warps)
+    unroll = _largest_divisor(steps // warps, unroll)
+    row_tiles = min(row_tiles, -(-spec.n // MMA_ROWS))  # no block wider than the weight
+    plan = MmaPlan(warps=warps, row_tiles=row_tiles, unroll=unroll, m_tile=m_tile, stages=stages,
+                   vector=16 // ITEM_BYTES[spec.weight_dtype])  # fmt: skip
+    if plan.shared_bytes() > target.max_static_shared_memory_per_block:
+        raise ScheduleError(
+            f"{rule}: warps {warps} x m_tile {m_tile} x {plan.block_rows} rows of f32 partial sums need "
+            f"{plan.shared_bytes()} bytes of shared memory; {target.name} allows "
+            f"{target.max_static_shared_memory_per_block} static. Fix: lower warps, m_tile or row_tiles"
+        )
+    registers = _register_estimate(plan)
+    if registers > target.max_registers_per_thread:
+        raise ScheduleError(
+            f"{rule}: unroll {unroll} x row_tiles {row_tiles} with m_tile {m_tile} needs about {registers} "
+            f"registers per thread; {target.name} allows {target.max_registers_per_thread}. "
+            "Fix: lower unroll, row_tiles or m_tile"
+        )
+    return plan
+
+
+def _largest_divisor(total: int, at_most: int) -> int:
+    return max(d for d in range(1, min(total, at_most) + 1) if total % d == 0)
+
+
+def _register_estimate(plan: MmaPlan) -> int:
+    """32-bit registers the fragments take (loads in flight, A/B fragments, accumulators) plus addressing."""
+    weight = plan.stages * plan.unroll * plan.row_tiles * 2 * 4  # 16-byte loads, 4 registers each
+    x = plan.stages * plan.unroll * (plan.m_tile // 8) * plan.vector // 2
+    frag_a = plan.row_tiles * (plan.vector // 4) * 4
+    acc = plan.row_tiles * (plan.m_tile // 8) * 4
+    return weight + x + frag_a + acc + 32
+
+
+# -------------------------------------------------------------------------------- generic SIMT fallback
+
+
+class LinearGemvRule(FamilyRule):
+    """Any linear of the family on CUDA cores: the correct generic path (odd k, no bf16 mma).
+
+    Knobs: `threads` per block (they split k), `rows_per_block` (rows of x sharing one read of a weight
+    row) and `vector_bytes` of weight per load (the widest that divides k is used; the Kernel reports it).
+    """
+
+    name = "linear_gemv"
+    knob_names = ("threads", "rows_per_block", "vector_bytes")
+
+    def default_knobs(self, target: Target) -> dict[str, int]:
+        return {"threads": 4 * target.warp_size, "rows_per_block": 4, "vector_bytes": 16}
+
+    def spec_of(self, subject: Any) -> LinearSpec | None:
+        return spec_of(subject)
+
+    def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
+        spec = self.spec_of(subject)
+        if spec is None:
+            return None
+        threads, rows, vector = self._fit(spec, target, self.resolve_knobs(target, knobs))
+        used = {"threads": threads, "rows_per_block": rows, "vector_bytes": vector * ITEM_BYTES[spec.weight_dtype]}
+        return Kernel(name=spec.name, func=schedule_gemv(spec.prim_func(), threads, rows, vector),
+                      reference=spec.prim_func(), rule=self.name, knobs=used, spec=spec)  # fmt: skip
+
+    def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
+        return schedule_gemv(spec.prim_func(), *self._fit(spec, target, knobs))
+
+    def _fit(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> tuple[int, int, int]:
+        """(threads, rows per block, weight elements per load); knob values out of range are errors."""
+        threads, rows, vector_bytes = knobs["threads"], knobs["rows_per_block"], knobs["vector_bytes"]
+        if threads <= 0 or threads % target.warp_size or threads > target.max_threads_per_block:
+            raise ScheduleError(
+                f"{self.name} knob threads={threads}: expected a multiple of {target.warp_size} up to "
+                f"{target.max_threads_per_block} on {target.name}"
+            )
+        if not 1 <= rows <= 64:
+            raise ScheduleError(f"{self.name} knob rows_per_block={rows}: expected 1 to 64")
+        if vector_bytes not in (1, 2, 4, 8, 16):
+            raise ScheduleError(f"{self.name} knob vector_bytes={vector_bytes}: expected 1, 2, 4, 8 or 16")
+        vector = max(1, vector_bytes // ITEM_BYTES[spec.weight_dtype])
+        while spec.k % vector:  # the widest load that tiles k exactly
+            vector //= 2
+        while threads > target.warp_size and threads * vector > spec.k:  # no idle warps on short rows
+            threads -= target.warp_size
+        return threads, rows, vector
+
+
+def schedule_gemv(func: Any, threads: int, rows: int, vector: int) -> Any:
+    """SIMT GEMV: block (column j, `rows` rows of x); `threads` split k into per-thread partial sums of
+    `vector`-wide weight loads, which TVM's cross-thread reduction adds (warp shuffles + shared memory).
+    """
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    acc = sch.get_sblock("acc")
+    sch.pad_einsum(acc, [rows, 1, 1])  # static local buffers under a symbolic m (else INT_MAX-sized arrays)
+    sch.compute_inline(sch.get_producers(acc)[0])  # x_pad: if_then_else(i < m, x, 0)
+    sch.compute_inline(sch.get_consumers(acc)[0])  # acc_pad: read directly by "y"
+    i, j, k = sch.get_loops(acc)
+    io, ii = sch.split(i, factors=[None, rows])
+    ko, kt, kv = sch.split(k, factors=[None, threads, vector])
+    sch.reorder(j, io, kt, ko, ii, kv)
+    partial = sch.rfactor(kt, factor_axis=0)
+    rj, rio, rkt, rko, rii, rkv = sch.get_loops(partial)
+    sch.bind(rj, "blockIdx.x")  # columns on x: n can exceed gridDim.y's 65535
+    sch.bind(rio, "blockIdx.y")
+    sch.bind(rkt, "threadIdx.x")
+    sch.set_scope(partial, 0, "local")
+    if vector > 1:
+        reads = [r.source.name for r in sch.get(partial).reads]
+        weight = sch.cache_read(partial, reads.index("w"), "local")
+        sch.compute_at(weight, rko)
+        sch.vectorize(sch.get_loops(weight)[-1])
+    sch.unroll(rii)
+    sch.unroll(rkv)
+    sch.decompose_reduction(partial, rko)
+    sch.reverse_compute_at(acc, rio)
+    sch.set_scope(acc, 0, "local")
+    fkt, fii = sch.get_loops(acc)[-2:]
+    sch.reorder(fii, fkt)
+    sch.bind(fkt, "threadIdx.x")
+    sch.reverse_compute_at(sch.get_sblock("y"), fii)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)

@@ -1,0 +1,68 @@
+"""Every bundled drafter builds for every target: one kernel call per compute node, a cubin holding code
+for the target's SM (read from the ELF), and no kernel over the target's shared memory.
+
+Options are the serving shapes the benchmarks use (8 sequences, 4096 cached rows, 512 context rows per
+append), so the real-shape examples build the kernels they would deploy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_compiler.checkpoint import example_config_path, list_examples
+from dflash_compiler.config import load_drafter_config
+from dflash_compiler.ir.graph import eval_dim
+from dflash_compiler.ir.ops import Op
+from dflash_compiler.options import BuildOptions
+from dflash_compiler.runtime.expr import evaluate
+from dflash_compiler.targets import SM90, SM120, SM121, STATIC_SHARED_MEMORY_LIMIT
+
+pytest.importorskip("tvm")
+
+OPTIONS = BuildOptions(max_batch=8, max_seq_len=4096, max_ctx_rows=512)
+BOUNDARY = {Op.INPUT, Op.WEIGHT, Op.STATE, Op.OUTPUT}
+
+
+@pytest.fixture(scope="module")
+def programs():
+    from dflash_compiler.pipeline import optimize
+
+    cache = {}
+
+    def get(example: str):
+        if example not in cache:
+            cache[example] = optimize(load_drafter_config(example_config_path(example)), OPTIONS)
+        return cache[example]
+
+    return get
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+@pytest.mark.parametrize("example", list_examples())
+def test_example_builds_for_target(programs, example, target):
+    from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
+    from dflash_compiler.kernel_build import build_kernels
+
+    program = programs(example)
+    build = build_kernels(program, target)
+    assert cubin_arch(build.cubin) == target.arch
+    for phase, graph in program.phases.items():
+        compute = [name for name in graph.topo() if graph.node(name).op not in BOUNDARY]
+        assert [c.node for c in build.plans[phase].calls] == compute, phase
+    static = static_shared_bytes(build.cubin)
+    launched = {k.name for fn in build.cuda.functions.values() for k in fn.kernels}
+    assert launched <= set(kernel_names(build.cubin)), "every kernel of the table is in the cubin"
+    for phase, plan in build.plans.items():
+        maxima = dict(program.phases[phase].meta["memory"].bindings)
+        for call in plan.calls:
+            sizes = {var: eval_dim(expr, maxima) for var, expr in call.sizes}
+            for launch in build.cuda.functions[call.kernel].kernels:
+                dynamic = evaluate(launch.dynamic_smem, sizes)
+                own = static.get(launch.name, 0)
+                assert own <= STATIC_SHARED_MEMORY_LIMIT, launch.name
+                assert own + dynamic <= target.max_shared_memory_per_block, (
+                    f"{launch.name} at {sizes}: {own} static + {dynamic} dynamic bytes of shared memory, "
+                    f"{target.name} allows {target.max_shared_memory_per_block}"
+                )
+                _, block, _ = launch.launch_dims(sizes)
+                assert block[0] * block[1] * block[2] <= target.max_threads_per_block, launch.name

@@ -1,0 +1,292 @@
+"""Linear family (matmul, matmul_fp8, lm_head): the TE computation built for llvm matches the graph's numpy
+semantics; the rules recognise the drafter's nodes; both schedules lower for every target and the
+tensor-core GEMV compiles with NVRTC. Numbers on the GPU: bench/linear.py (H200 table in the report).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_compiler.ir import Node, Op, TensorType
+from dflash_compiler.schedules.base import OpInstance, ScheduleError
+from dflash_compiler.schedules.linear import (
+    BF16,
+    F32,
+    FP8,
+    LinearGemvRule,
+    LinearMmaRule,
+    LinearSpec,
+    random_weight,
+    spec_of,
+)
+from dflash_compiler.targets import SM90, SM120, SM121
+
+tvm = pytest.importorskip("tvm")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from kernel_harness import assert_spec_matches_numpy  # noqa: E402 - needs TVM
+
+from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
+
+MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+# ------------------------------------------------------------------------------- numerics (llvm vs numpy)
+
+
+@pytest.mark.parametrize(
+    ("spec", "rows"),
+    [
+        (LinearSpec("matmul", 64, 64), 1),
+        (LinearSpec("matmul", 192, 64), 7),
+        (LinearSpec("matmul", 8, 100), 5),  # tiny-dflash2 selector width; k not a multiple of 32
+        (LinearSpec("matmul", 13, 1001), 3),
+        (LinearSpec("matmul", 16, 32, out_dtype=F32), 2),
+        (LinearSpec("matmul_fp8", 72, 128, FP8), 9),
+        (LinearSpec("matmul_fp8", 33, 96, FP8), 4),
+        (LinearSpec("lm_head", 384, 64), 16),
+        (LinearSpec("lm_head", 512, 64, FP8), 2),
+    ],
+    ids=lambda v: v.name if isinstance(v, LinearSpec) else str(v),
+)
+def test_spec_matches_numpy(spec, rows):
+    assert [p.name for p in spec.params()] == [p.name for p in spec.prim_func().params]
+    assert spec.variables() == ("m",)
+    assert_spec_matches_numpy(spec, {"m": rows}, seed=spec.n + rows)
+
+
+def test_spec_params_follow_the_node():
+    fp8 = LinearSpec("matmul_fp8", 4096, 12288, FP8)
+    assert [(p.name, p.dtype, p.shape, p.role) for p in fp8.params()] == [
+        ("x", BF16, ("m", 12288), "in"),
+        ("w", FP8, (4096, 12288), "in"),
+        ("scale", F32, (4096,), "in"),
+        ("y", BF16, ("m", 4096), "out"),
+    ]
+    head = LinearSpec("lm_head", 151936, 4096)
+    assert head.name == "lm_head_n151936_k4096" and head.out_dtype == F32
+    assert LinearSpec("lm_head", 151936, 4096, FP8).name == "lm_head_fp8_n151936_k4096"
+    assert LinearSpec("matmul", 16, 32, out_dtype=F32).name == "matmul_n16_k32_f32"
+    assert head.bytes_moved({"m": 16}) == 151936 * 4096 * 2 + 16 * 4096 * 2 + 16 * 151936 * 4
+    assert fp8.bytes_moved({"m": 1}) == 4096 * 12288 + 4 * 4096 + 12288 * 2 + 4096 * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"op": "rmsnorm", "n": 8, "k": 8}, "is not one of"),
+        ({"op": "matmul", "n": 0, "k": 8}, "must be positive"),
+        ({"op": "matmul", "n": 8, "k": 8, "weight_dtype": FP8}, "takes a bfloat16 weight"),
+        ({"op": "matmul_fp8", "n": 8, "k": 8}, "takes a float8_e4m3fn weight"),
+        ({"op": "matmul", "n": 8, "k": 8, "out_dtype": "float16"}, "bfloat16 or float32"),
+        ({"op": "lm_head", "n": 600000, "k": 4096}, "int32"),
+    ],
+)
+def test_spec_validation(kwargs, message):
+    with pytest.raises(ScheduleError, match=message):
+        LinearSpec(**kwargs)
+
+
+def test_random_weights_are_finite_and_varied():
+    rng = np.random.default_rng(0)
+    for dtype in (BF16, FP8):
+        w = random_weight(rng, (64, 256), dtype).astype(np.float32)
+        assert np.all(np.isfinite(w)) and np.std(w) > 0
+        assert len(np.unique(w)) > 50
+
+
+# ------------------------------------------------------------------------------------ the rules' subjects
+
+
+def _instance(op: Op, n: int | str = 6144, k: int | str = 4096, w_dtype: str = BF16, x_dtype: str = BF16,
+              out_dtype: str = BF16, scale: str | None = None, rows: str = "nb*blk") -> OpInstance:  # fmt: skip
+    inputs = [TensorType(x_dtype, (rows, k)), TensorType(w_dtype, (n, k))]
+    if scale is not None:
+        inputs.append(TensorType(scale, (n,)))
+    return OpInstance("l0.qkv", Node.make(op, [TensorType(out_dtype, (rows, n))]), tuple(inputs))
+
+
+def test_rules_recognise_the_drafter_linears():
+    cases = [
+        (_instance(Op.MATMUL), "matmul_n6144_k4096"),
+        (_instance(Op.MATMUL, 4096, 20480, rows="ctx"), "matmul_n4096_k20480"),
+        (_instance(Op.MATMUL_FP8, 24576, 4096, FP8, scale=F32), "matmul_fp8_n24576_k4096"),
+        (_instance(Op.LM_HEAD, 151936, 4096, out_dtype=F32, rows="nb*(blk-1)"), "lm_head_n151936_k4096"),
+        (_instance(Op.LM_HEAD, 151936, 4096, FP8, out_dtype=F32, scale=F32), "lm_head_fp8_n151936_k4096"),
+    ]
+    for subject, name in cases:
+        spec = spec_of(subject)
+        assert spec is not None and spec.name == name
+        assert LinearMmaRule().spec_of(subject) == spec == LinearGemvRule().spec_of(subject)
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        OpInstance("n", Node.make(Op.RMSNORM, [TensorType(BF16, ("m", 64))], eps=1e-6), (TensorType(BF16, ("m", 64)),)),
+        _instance(Op.MATMUL, x_dtype=F32),
+        _instance(Op.MATMUL, w_dtype="float16"),
+        _instance(Op.MATMUL, k="h"),
+        _instance(Op.MATMUL, w_dtype=FP8),  # an e4m3 weight without its scales
+        _instance(Op.MATMUL_FP8, w_dtype=FP8, scale=BF16),
+        _instance(Op.MATMUL_FP8, w_dtype=BF16, scale=F32),
+        _instance(Op.MATMUL, out_dtype="float16"),
+        "matmul",
+        None,
+    ],
+    ids=[
+        "rmsnorm",
+        "f32-x",
+        "f16-w",
+        "symbolic-k",
+        "fp8-no-scale",
+        "bf16-scale",
+        "bf16-w-fp8-op",
+        "f16-out",
+        "string",
+        "none",
+    ],
+)
+def test_rules_decline_other_work(subject):
+    assert LinearMmaRule().apply(subject, SM90) is None
+    assert LinearGemvRule().apply(subject, SM90) is None
+
+
+def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
+    assert LinearMmaRule().apply(LinearSpec("matmul", 8, 100), SM90) is None
+    assert LinearMmaRule().apply(LinearSpec("matmul_fp8", 192, 96, FP8), SM90) is None  # FP8 steps are 64 wide
+    no_mma = SM90.model_copy(update={"bf16_mma": False})
+    assert LinearMmaRule().apply(LinearSpec("matmul", 64, 64), no_mma) is None
+    assert LinearGemvRule().apply(LinearSpec("matmul", 64, 64), no_mma) is not None
+
+
+# -------------------------------------------------------------------------------- knobs and launch shapes
+
+
+def _lower(kernel, target=SM90):
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
+    (launch,) = cuda.functions[kernel.name].kernels
+    assert "2147483647" not in cuda.source  # no local buffer sized by the symbolic m
+    return cuda, launch
+
+
+@pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
+def test_mma_kernel_lowers_with_a_sane_launch(target):
+    kernel = LinearMmaRule().apply(LinearSpec("matmul", 6144, 4096), target)
+    assert kernel is not None and kernel.rule == "linear_mma"
+    assert dict(kernel.knobs) == {"warps": 4, "row_tiles": 1, "unroll": 4, "m_tile": 16, "stages": 2}
+    assert kernel.func.attrs["tirx.is_scheduled"] and "tirx.is_scheduled" not in kernel.reference.attrs
+    cuda, launch = _lower(kernel, target)
+    assert launch.grid == ("384", "1", "1")  # one block per 16 weight rows; m is a loop inside the block
+    assert launch.block == ("32", "4", "1")  # a warp per k range
+    assert launch.dynamic_smem == "0"
+    assert MMA_BF16 in cuda.source
+    assert {p.source for p in launch.params} == {"x", "w", "y", "m"}
+
+
+def test_fp8_kernel_has_its_own_defaults_and_scales():
+    kernel = LinearMmaRule().apply(LinearSpec("lm_head", 151936, 4096, FP8), SM121)
+    assert kernel is not None
+    assert dict(kernel.knobs) == {"warps": 8, "row_tiles": 1, "unroll": 4, "m_tile": 16, "stages": 1}
+    cuda, launch = _lower(kernel, SM121)
+    assert launch.grid == ("9496", "1", "1") and launch.block == ("32", "8", "1")
+    assert {p.source for p in launch.params} == {"x", "w", "scale", "y", "m"}
+    assert MMA_BF16 in cuda.source and "__nv_fp8_e4m3" in cuda.source
+
+
+@pytest.mark.parametrize(
+    ("spec", "knobs", "used", "grid"),
+    [
+        # 2 k steps of 32: warps and unroll shrink to divisors of the steps
+        (LinearSpec("matmul", 64, 64), {}, {"warps": 2, "unroll": 1}, "4"),
+        # n = 8: one ragged block of 16 rows (rows past n read a clamped row, never stored)
+        (LinearSpec("matmul", 8, 64), {"row_tiles": 4}, {"row_tiles": 1, "warps": 2}, "1"),
+        (LinearSpec("matmul", 200, 96), {"row_tiles": 2}, {"row_tiles": 2, "warps": 3}, "7"),
+        (LinearSpec("matmul", 4096, 12288), {"warps": 8, "m_tile": 32, "stages": 1}, {"warps": 8, "m_tile": 32}, "256"),
+    ],
+    ids=["short-k", "n8", "n200", "override"],
+)
+def test_mma_knobs_fit_the_shape(spec, knobs, used, grid):
+    kernel = LinearMmaRule().apply(spec, SM90, knobs)
+    assert kernel is not None
+    assert {k: kernel.knobs[k] for k in used} == used
+    _, launch = _lower(kernel)
+    assert launch.grid[0] == grid
+    assert launch.block == ("32", str(kernel.knobs["warps"]), "1")
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"tiles": 4}, "unknown knob"),
+        ({"warps": 0}, "warps=0"),
+        ({"warps": 64}, "warps=64"),
+        ({"m_tile": 12}, "multiple of 8"),
+        ({"stages": 3}, "stages=3"),
+        ({"unroll": 0}, "positive"),
+        ({"unroll": 16, "stages": 2, "m_tile": 64}, "registers"),
+        ({"warps": 32, "m_tile": 64, "row_tiles": 2}, "shared memory"),
+        ({"warps": 4.0}, "must be an int"),
+    ],
+)
+def test_bad_mma_knobs_are_refused(knobs, message):
+    with pytest.raises(ScheduleError, match=message):
+        LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), SM90, knobs)
+
+
+def test_default_knobs_read_capabilities():
+    small = SM90.model_copy(update={"max_threads_per_block": 64})
+    assert LinearMmaRule().default_knobs(small)["warps"] == 2
+    assert LinearGemvRule().default_knobs(SM120)["threads"] == 128
+
+
+@pytest.mark.parametrize(
+    ("spec", "knobs", "used"),
+    [
+        (LinearSpec("matmul", 8, 100), {}, {"threads": 32, "rows_per_block": 4, "vector_bytes": 8}),
+        (LinearSpec("matmul", 13, 1001), {}, {"threads": 128, "rows_per_block": 4, "vector_bytes": 2}),
+        (
+            LinearSpec("matmul_fp8", 192, 96, FP8),
+            {"rows_per_block": 2},
+            {"threads": 32, "rows_per_block": 2, "vector_bytes": 16},
+        ),
+        (LinearSpec("lm_head", 151936, 4096), {"threads": 256}, {"threads": 256, "vector_bytes": 16}),
+    ],
+    ids=["n8-k100", "k1001", "fp8-k96", "lm_head"],
+)
+def test_fallback_lowers_any_shape(spec, knobs, used):
+    kernel = LinearGemvRule().apply(spec, SM121, knobs)
+    assert kernel is not None and kernel.rule == "linear_gemv"
+    assert {k: kernel.knobs[k] for k in used} == used
+    _, launch = _lower(kernel, SM121)
+    rows = kernel.knobs["rows_per_block"]
+    assert launch.grid == (str(spec.n), f"((m + {rows - 1}) // {rows})", "1")
+    assert launch.block == (str(kernel.knobs["threads"]), "1", "1")
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [({"threads": 48}, "multiple of 32"), ({"rows_per_block": 0}, "1 to 64"), ({"vector_bytes": 3}, "1, 2, 4")],
+)
+def test_bad_fallback_knobs_are_refused(knobs, message):
+    with pytest.raises(ScheduleError, match=message):
+        LinearGemvRule().apply(LinearSpec("matmul", 64, 64), SM90, knobs)
+
+
+# ------------------------------------------------------------------------------------------------- NVRTC
+
+
+def test_family_module_compiles_for_sm90a():
+    from dflash_compiler.cubin import cubin_arch
+    from dflash_compiler.nvrtc import compile_cubin
+
+    pytest.importorskip("cuda.bindings")
+    kernels = [
+        LinearMmaRule().apply(LinearSpec("matmul", 200, 96), SM90),
+        LinearMmaRule().apply(LinearSpec("lm_head", 512, 128, FP8), SM90),
+        LinearGemvRule().apply(LinearSpec("matmul", 13, 1001), SM90),
+    ]
+    cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), SM90)
+    cubin = compile_cubin(cuda.source, SM90.arch)
+    assert cubin_arch(cubin) == "sm_90a"
