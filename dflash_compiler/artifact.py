@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,19 +149,50 @@ def write_artifact(out_dir: Path, manifest: Manifest, files: Mapping[str, bytes]
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise ArtifactError(f"{out_dir} exists. Fix: choose another -o, or pass --force to replace it")
+
+    def fill(tmp: Path) -> dict[str, FileRecord]:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        return {name: file_record(data) for name, data in files.items()}
+
+    _stage(out_dir, manifest, fill)
+    return out_dir
+
+
+def add_file(artifact: Path, name: str, write: Callable[[Path], object]) -> Manifest:
+    """Add (or replace) one file of an artifact: `write(path)` fills it; the manifest is re-sealed.
+
+    The other files are linked (or copied) into a staged artifact that replaces the old one, so a
+    failure leaves the old one intact.
+    """
+    artifact = Path(artifact)
+    manifest = load_manifest(artifact, require=())
+
+    def fill(tmp: Path) -> dict[str, FileRecord]:
+        for child in artifact.iterdir():
+            if child.name not in (MANIFEST, name):
+                try:
+                    os.link(child, tmp / child.name)
+                except OSError:
+                    shutil.copy2(child, tmp / child.name)
+        write(tmp / name)
+        return {**manifest.files, name: _hash_file(tmp / name)}
+
+    return _stage(artifact, manifest, fill)
+
+
+def _stage(out_dir: Path, manifest: Manifest, fill: Callable[[Path], dict[str, FileRecord]]) -> Manifest:
+    """Fill a temp dir beside `out_dir`, seal the manifest over the files' records, then rename into place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        records = {name: file_record(data) for name, data in files.items()}
-        sealed = manifest.model_copy(update={"files": records}).sealed()
+        sealed = manifest.model_copy(update={"files": fill(tmp)}).sealed()
         (tmp / MANIFEST).write_text(sealed.canonical_json())
         _replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+    return sealed
 
 
 def _replace(staged: Path, out_dir: Path) -> None:
@@ -173,30 +205,6 @@ def _replace(staged: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         staged.rename(out_dir)
-
-
-def add_file(artifact: Path, name: str, write: Any) -> Manifest:
-    """Add (or replace) one file of an artifact: `write(path)` fills it; the manifest is re-sealed.
-
-    The whole artifact is staged in a temp dir and renamed, so a failure leaves the old one intact.
-    """
-    artifact = Path(artifact)
-    manifest = load_manifest(artifact, require=())
-    tmp = Path(tempfile.mkdtemp(prefix=f".{artifact.name}.", dir=artifact.parent))
-    try:
-        for child in artifact.iterdir():
-            if child.name not in (MANIFEST, name):
-                shutil.copy2(child, tmp / child.name)
-        write(tmp / name)
-        records = dict(manifest.files)
-        records[name] = _hash_file(tmp / name)
-        sealed = manifest.model_copy(update={"files": records}).sealed()
-        (tmp / MANIFEST).write_text(sealed.canonical_json())
-        _replace(tmp, artifact)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return sealed
 
 
 def load_manifest(artifact: Path, require: tuple[str, ...] = (CUBIN,)) -> Manifest:

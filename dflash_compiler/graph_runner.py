@@ -16,7 +16,7 @@ from dflash_compiler.ir.graph import eval_dim
 from dflash_compiler.ir.interpret import interpret
 from dflash_compiler.ir.weights import WeightCache
 from dflash_compiler.lower import PAGE_SIZE, Program
-from dflash_compiler.runtime.pages import PageAllocator
+from dflash_compiler.runtime.pages import PageAllocator, PagedSequences
 from dflash_compiler.runtime.steps import context_step, propose_step
 
 
@@ -26,7 +26,7 @@ class Drafts:
     confidences: np.ndarray | None  # float32 [nb, gamma] (DSpark with a confidence head)
 
 
-class GraphDrafter:
+class GraphDrafter(PagedSequences):
     """``append_context`` / ``propose`` over interpreted phase graphs with a paged fp32 KV cache."""
 
     def __init__(
@@ -44,19 +44,6 @@ class GraphDrafter:
         self.kv = np.zeros(tuple(eval_dim(d, {"pages": num_pages}) for d in shape), np.float32)
         # Every node's value in the last call of each phase, by phase name then node name.
         self.last_values: dict[str, dict[str, np.ndarray]] = {"append_context": {}, "propose": {}}
-
-    # sequence lifetime --------------------------------------------------------------------------
-    def create(self, seq_id: int) -> None:
-        self.pages.create(seq_id)
-
-    def free(self, seq_id: int) -> None:
-        self.pages.free(seq_id)
-
-    def rollback(self, seq_id: int, length: int) -> None:
-        self.pages.rollback(seq_id, length)
-
-    def length(self, seq_id: int) -> int:
-        return self.pages.length(seq_id)
 
     # phases -------------------------------------------------------------------------------------
     def append_context(

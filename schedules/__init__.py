@@ -6,6 +6,8 @@ Importing this package does not import TVM; a rule imports it when it builds a k
 from .argmax import ArgmaxRule
 from .attention import AttentionRule
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, Rule, ScheduleError, apply_rules
+from .dflash2 import DFlash2Rule
+from .dspark import DSparkRule
 from .elementwise import ElementwiseRule
 from .embed import EmbedRule
 from .head_norm_rope import HeadNormRopeRule
@@ -25,12 +27,16 @@ RULES: tuple[Rule, ...] = (
     ElementwiseRule(),
     EmbedRule(),
     ArgmaxRule(),
+    DFlash2Rule(),
+    DSparkRule(),
 )
 
 __all__ = [
     "RULES",
     "ArgmaxRule",
     "AttentionRule",
+    "DFlash2Rule",
+    "DSparkRule",
     "ElementwiseRule",
     "EmbedRule",
     "FamilyRule",

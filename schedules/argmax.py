@@ -5,17 +5,21 @@ ties included. Every candidate is ranked by (value, index): the larger value win
 lower index wins, which is `np.argmax`'s and the stable descending sort's rule. The comparison is a total
 order, so any reduction tree gives the same winner.
 
-The pair is reduced with TVM's registered "argmax with index tie-break" reducer (rfactor and cross-thread
-reduction only accept registered reducers). Its identity is `(-1, lowest float)`, so candidates enter as
-`(index - RANK_BASE, max(value, lowest))`: every real rank is below -1 and beats the identity on a tie,
-and -inf is lifted to the lowest float so a row of -inf still yields its first index. (The lift equates
--inf with -3.4e38; only a row whose maximum is one of those two values could tell.) NaN is not handled.
+The pair is reduced with TVM's registered "argmax with index tie-break" reducer (cross-thread reduction
+only accepts registered reducers). Its identity is `(-1, lowest float)`, so candidates enter as
+`(rank, key) = (index - 2**24, max(value, lowest))` in float32: every rank is exact and below -1, so a
+real entry beats the identity on a tie, and -inf is lifted to the lowest float so a row of -inf still
+yields its first index. (The lift equates -inf with -3.4e38; only a row whose maximum is one of those two
+values could tell.) NaN is not handled. The rank is a float rather than an int32 because TVM's
+CompactBufferAllocation keeps every int32 value a block binds for the rest of the function, which made
+compiling these many-reduction functions quadratic (minutes for top-16).
 
-Stage 1 (many blocks per row): block (c, row) reduces vocabulary chunk c (`chunk` elements) to one pair
+Stage 1 (many blocks per row): block (row, c) reduces vocabulary chunk c (`chunk` elements) to one pair
 (argmax) or to its k best pairs (top-k: k rounds, each the best pair ranked after the previous round's
 pick, over the chunk staged in shared memory). Stage 2 (one block per row) reduces the `ceil(vocab /
 chunk)` partials the same way. The partials live in host-allocated workspaces between the two kernels.
-The chunk is part of the computation (the spec), the thread counts are knobs.
+The chunk is part of the computation (the spec: the prim_func has both stages), the thread counts are
+knobs. Rows are blockIdx.x everywhere (gridDim.y stops at 65535).
 
 `m` (rows) is the only variable; the launch plan binds it to the logits' row count (`nb*(blk-1)` in the
 propose graphs).
@@ -38,9 +42,10 @@ from .base import EXACT, FamilyRule, KernelSpec, OpInstance, Param, ScheduleErro
 ROWS = "m"  # logit rows; the launch plan binds it
 LOGITS = "float32"
 IDS = "int32"
-RANK_BASE = 1 << 30  # rank = index - RANK_BASE: below the identity's -1 for every vocabulary index
+RANK = "float32"  # ranks are float32, not int32 (see the module docstring)
+NO_RANK = -1.0  # the rank of the reducer's identity
+RANK_BASE = 1 << 24  # rank = index - RANK_BASE, a float32: exact, and below the identity's -1 for every index
 DEFAULT_CHUNK = 4096  # vocabulary elements per stage-1 block (151936 -> 38 blocks per row)
-_LOWEST_F32 = float(np.finfo(np.float32).min)
 
 
 # ------------------------------------------------------------------------------------ shared helpers
@@ -52,8 +57,11 @@ def default_chunk(vocab: int, preferred: int = DEFAULT_CHUNK, granule: int = 256
 
 
 def check_chunk(family: str, vocab: int, chunk: int) -> None:
-    if vocab <= 0:
-        raise ScheduleError(f"{family}: vocabulary size must be positive, found {vocab}")
+    if not 0 < vocab < RANK_BASE:
+        raise ScheduleError(
+            f"{family}: vocabulary size must be in 1..{RANK_BASE - 1} (float32 ranks are exact below 2**24), "
+            f"found {vocab}"
+        )
     if chunk <= 0 or chunk % 32:
         raise ScheduleError(
             f"{family}: chunk must be a positive multiple of 32 (the warp size), found {chunk}. "
@@ -85,13 +93,12 @@ def candidate(valid: Any, index: Any, value: Any, guarded: bool = True) -> tuple
     """The (rank, key) pair of vocabulary `index` holding `value`, or the identity where `valid` is false.
 
     With `guarded`, `value` is only evaluated where `valid` holds (if_then_else), so it may read out of
-    range otherwise; without, a plain select (cheaper for TVM's region analysis, which solves every
-    if_then_else condition).
+    range otherwise; without, a plain select for values that are always safe to evaluate.
     """
     from tvm import tirx
 
     choose = tirx.if_then_else if guarded else tirx.Select
-    return choose(valid, index - RANK_BASE, -1), choose(valid, tirx.max(value, lowest()), lowest())
+    return choose(valid, rank_of(index), NO_RANK), choose(valid, tirx.max(value, lowest()), lowest())
 
 
 def ranked_after(key: Any, rank: Any, prev_key: Any, prev_rank: Any) -> Any:
@@ -102,13 +109,13 @@ def ranked_after(key: Any, rank: Any, prev_key: Any, prev_rank: Any) -> Any:
 
 
 def chunk_partials(
-    name: str, rows: Sequence[Any], vocab: int, chunk: int, value: Callable[..., Any], valid: Callable[..., Any] | None
+    name: str, rows: Sequence[Any], vocab: int, chunk: int, value: Callable[..., Any]
 ) -> tuple[Any, Any]:
     """(rank, key) tensors of shape `(*rows, chunks)`: the best vocabulary entry of each chunk of each row.
 
-    `value(*row, k)` is the score of vocabulary entry k; `valid(*row, k)`, when given, excludes entries.
+    `value(*row, k)` is the score of vocabulary entry k; it is only evaluated for k < vocab.
     """
-    from tvm import te, tirx
+    from tvm import te
 
     chunks = -(-vocab // chunk)
     e = te.reduce_axis((0, chunk), name="e")
@@ -117,8 +124,7 @@ def chunk_partials(
     def body(*idx: Any) -> Any:
         *row, c = idx
         k = c * chunk + e
-        ok = k < vocab if valid is None else tirx.And(k < vocab, valid(*row, k))
-        return pick(candidate(ok, k, value(*row, k)), axis=e)
+        return pick(candidate(k < vocab, k, value(*row, k)), axis=e)
 
     return te.compute((*rows, chunks), body, name=name)
 
@@ -132,19 +138,27 @@ def merge_partials(name: str, rows: Sequence[Any], part: tuple[Any, Any], chunks
     return te.compute(tuple(rows), lambda *row: pick((part[0][(*row, c)], part[1][(*row, c)]), axis=c), name=name)
 
 
-def vocab_index(rank: Any) -> Any:
-    return rank + RANK_BASE
+def rank_of(index: Any) -> Any:
+    """The float32 rank of an int32 vocabulary index (exact below 2**24)."""
+    from tvm import tirx
+
+    return tirx.Cast(RANK, index) - float(RANK_BASE)
 
 
-def bind_reduction(sch: Any, block: Any, threads: int, fuse_from: int = -1) -> tuple[Any, Any]:
-    """Spread the block's innermost reduction loop(s) over threadIdx.x: (threads, serial) with threads outer.
+def index_of(rank: Any) -> Any:
+    """The int32 index (vocabulary id, or candidate slot) a rank stands for."""
+    from tvm import tirx
 
-    The loops from `fuse_from` on are fused first. The serial part is an in-thread reduction that TVM's
-    cross-thread lowering finishes with warp shuffles; threads outside the extent are predicated off.
+    return tirx.Cast(IDS, rank + float(RANK_BASE))
+
+
+def bind_reduction(sch: Any, block: Any, threads: int) -> tuple[Any, Any]:
+    """Spread the block's innermost (reduction) loop over threadIdx.x; returns the (thread, serial) loops.
+
+    Threads are outer, so each thread reduces a strided serial share (coalesced loads) and TVM's
+    cross-thread lowering finishes with warp shuffles; threads past the extent are predicated off.
     """
-    loops = sch.get_loops(block)
-    loop = sch.fuse(*loops[fuse_from:]) if fuse_from != -1 and len(loops[fuse_from:]) > 1 else loops[-1]
-    serial, thread = sch.split(loop, [None, threads])
+    serial, thread = sch.split(sch.get_loops(block)[-1], [None, threads])
     sch.reorder(thread, serial)
     sch.bind(thread, "threadIdx.x")
     return thread, serial
@@ -190,6 +204,19 @@ def distinct_rows(rng: np.random.Generator, rows: int, vocab: int, top: int, sca
     return out
 
 
+def coarse_bf16(rng: np.random.Generator, shape: tuple[int, ...], steps: int = 8, span: int = 8) -> np.ndarray:
+    """bf16 multiples of 1/steps in [-span/steps, span/steps].
+
+    Products of two or three such values and their sums over a few hundred terms are exact in f32, so
+    a kernel's sums agree with numpy's bit for bit whatever the order: samples for greedy walks, whose
+    argmax must not flip on a rounding difference.
+    """
+    import ml_dtypes
+
+    ints = rng.integers(-span, span + 1, size=shape, dtype=np.int8)
+    return (ints.astype(np.float32) / steps).astype(ml_dtypes.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------- ARGMAX
 
 
@@ -223,9 +250,9 @@ class ArgmaxSpec(KernelSpec):
 
         m = tirx.Var(ROWS, "int32")
         logits = te.placeholder((m, self.vocab), LOGITS, name="logits")
-        part = chunk_partials("part", (m,), self.vocab, self.chunk, lambda i, k: logits[i, k], None)
+        part = chunk_partials("part", (m,), self.vocab, self.chunk, lambda i, k: logits[i, k])
         best = merge_partials("best", (m,), part, self.chunks)
-        ids = te.compute((m,), lambda i: vocab_index(best[0][i]), name="ids")
+        ids = te.compute((m,), lambda i: index_of(best[0][i]), name="ids")
         return with_attrs(te.create_prim_func([logits, ids]), self.name, Op.ARGMAX)
 
     def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -245,8 +272,8 @@ def schedule_argmax(spec: ArgmaxSpec, threads: int, merge_threads: int) -> Any:
     sch = s_tir.Schedule(spec.prim_func())
     part, best, ids = sch.get_sblock("part"), sch.get_sblock("best"), sch.get_sblock("ids")
     row, chunk, _ = sch.get_loops(part)
-    sch.bind(chunk, "blockIdx.x")
-    sch.bind(row, "blockIdx.y")
+    sch.bind(row, "blockIdx.x")  # rows on x: gridDim.y stops at 65535
+    sch.bind(chunk, "blockIdx.y")
     bind_reduction(sch, part, threads)  # partials stay in global memory: the workspace between the kernels
     row, _ = sch.get_loops(best)
     sch.bind(row, "blockIdx.x")
@@ -302,13 +329,14 @@ class TopKSpec(KernelSpec):
         v, k, chunk, chunks = self.vocab, self.k, self.chunk, self.chunks
         m = tirx.Var(ROWS, "int32")
         logits = te.placeholder((m, v), LOGITS, name="logits")
+
         # stage 1: the chunk once as (rank, key) pairs. The padding past the vocabulary gets the lowest key
         # and ranks above every real entry, so it is never among a row's k best (k <= vocab): no condition
         # on the rank, which keeps TVM's region analysis fast.
         def staged_pair(i: Any, c: Any, e: Any) -> tuple[Any, Any]:
             index = c * chunk + e
             key = tirx.if_then_else(index < v, tirx.max(logits[i, index], lowest()), lowest())
-            return index - RANK_BASE, key
+            return rank_of(index), key
 
         staged = te.compute((m, chunks, chunk), staged_pair, name="staged")
         rounds: list[tuple[Any, Any]] = []
@@ -322,8 +350,11 @@ class TopKSpec(KernelSpec):
         for j in range(k):
             eligible = _eligible(f"candidates{j}", cand, picks[-1] if picks else None, 1)
             picks.append(_best(f"pick{j}", eligible, 1))
-        ids = te.compute((m, k), lambda i, j: vocab_index(_choose(picks, j, (i,))[0]), name="ids")
-        values = te.compute((m, k), lambda i, j: logits[i, ids[i, j]], name="values")
+        ids = te.compute((m, k), lambda i, j: index_of(_choose(picks, j, (i,))[0]), name="ids")
+        # guarded gather: an id is out of range only if a row had fewer than k pickable entries (NaN logits)
+        values = te.compute(
+            (m, k), lambda i, j: tirx.if_then_else(ids[i, j] < v, logits[i, ids[i, j]], lowest()), name="values"
+        )
         return with_attrs(te.create_prim_func([logits, values, ids]), self.name, Op.TOPK)
 
     def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -345,24 +376,20 @@ class TopKSpec(KernelSpec):
 
 
 def _choose(rounds: Sequence[tuple[Any, Any]], j: Any, idx: tuple[Any, ...]) -> tuple[Any, Any]:
-    """(rank, key) of round `j` (a TIR expression) at `idx`, as a sum of one-hot terms.
-
-    Exact (one term is nonzero; keys are finite) and free of conditions: a chain of k selects on `j`
-    makes TVM's region analysis quadratic in k.
-    """
+    """(rank, key) of round `j` (a TIR expression) at `idx`: a select chain over the rounds' tensors."""
     from tvm import tirx
 
-    rank = sum(tirx.Cast(IDS, j == r) * pair[0][idx] for r, pair in enumerate(rounds))
-    key = sum(tirx.Cast(LOGITS, j == r) * pair[1][idx] for r, pair in enumerate(rounds))
+    rank, key = rounds[-1][0][idx], rounds[-1][1][idx]
+    for r in range(len(rounds) - 2, -1, -1):
+        rank = tirx.Select(j == r, rounds[r][0][idx], rank)
+        key = tirx.Select(j == r, rounds[r][1][idx], key)
     return rank, key
 
 
 def _eligible(name: str, source: tuple[Any, Any], prev: tuple[Any, Any] | None, lead: int) -> tuple[Any, Any]:
-    """`source`'s (rank, key) pairs where they rank after `prev`'s pick (of the same leading index), else the
-    identity.
+    """`source`'s (rank, key) pairs where they rank after `prev`'s pick (same leading index), else the identity.
 
-    A separate elementwise stage on purpose: with this data-dependent condition inside the reduction,
-    TVM's buffer-region analysis (CompactBufferAllocation) grows quadratically with the number of rounds.
+    A stage of its own, so the schedule can compute it per element in registers (`_per_thread`).
     """
     from tvm import te, tirx
 
@@ -371,7 +398,7 @@ def _eligible(name: str, source: tuple[Any, Any], prev: tuple[Any, Any] | None, 
         if prev is None:
             return rank, key
         ok = ranked_after(key, rank, prev[1][idx[:lead]], prev[0][idx[:lead]])
-        return tirx.Select(ok, rank, -1), tirx.Select(ok, key, lowest())
+        return tirx.Select(ok, rank, NO_RANK), tirx.Select(ok, key, lowest())
 
     return te.compute(source[0].shape, body, name=name)
 
@@ -384,7 +411,8 @@ def _best(name: str, pairs: tuple[Any, Any], lead: int) -> tuple[Any, Any]:
     axes = [te.reduce_axis((0, extent), name=f"r{a}") for a, extent in enumerate(shape[lead:])]
     pick = pick_reducer()
     return te.compute(
-        tuple(shape[:lead]), lambda *idx: pick((pairs[0][(*idx, *axes)], pairs[1][(*idx, *axes)]), axis=axes),
+        tuple(shape[:lead]),
+        lambda *idx: pick((pairs[0][(*idx, *axes)], pairs[1][(*idx, *axes)]), axis=axes),
         name=name,
     )
 
@@ -398,11 +426,11 @@ def schedule_topk(spec: TopKSpec, threads: int, merge_threads: int) -> Any:
     for name in ("eligible0", "candidates0"):  # the first round takes every pair: no condition to keep apart
         for n in (0, 1):
             sch.compute_inline(sch.get_sblock(f"{name}_v{n}"))
-    # kernel 1: block (chunk, row) stages its chunk's keys in shared memory and runs the k rounds over them
+    # kernel 1: block (row, chunk) stages its chunk's keys in shared memory and runs the k rounds over them
     staged = sch.get_sblock("staged_v1")
     row, chunk, elem = sch.get_loops(staged)
-    sch.bind(chunk, "blockIdx.x")
-    sch.bind(row, "blockIdx.y")
+    sch.bind(row, "blockIdx.x")  # rows on x: gridDim.y stops at 65535
+    sch.bind(chunk, "blockIdx.y")
     bind_spread(sch, elem, threads)
     sch.set_scope(staged, 0, "shared")
     for j in range(k):
@@ -447,8 +475,7 @@ def schedule_topk(spec: TopKSpec, threads: int, merge_threads: int) -> Any:
 def _per_thread(sch: Any, stages: Sequence[Any], loop: Any) -> None:
     """Compute elementwise `stages` one element at a time inside a reduction's serial loop (registers).
 
-    Kept as blocks rather than inlined: a data-dependent select inside the reduction body makes TVM's
-    buffer-region analysis (CompactBufferAllocation) take minutes.
+    Equivalent to inlining them into the reduction, which TVM compiles about twice as slowly.
     """
     for stage in stages:
         sch.compute_at(stage, loop)

@@ -18,8 +18,9 @@ import numpy as np
 
 from dflash_compiler.artifact import CUBIN, WEIGHTS, ArtifactError, Manifest, load_manifest
 from dflash_compiler.runtime.cuda import Device, Module, Stream
+from dflash_compiler.runtime.device_array import DeviceArray, device_array
 from dflash_compiler.runtime.executor import PhaseExecutor
-from dflash_compiler.runtime.pages import PageAllocator
+from dflash_compiler.runtime.pages import PageAllocator, PagedSequences
 from dflash_compiler.runtime.steps import context_step, propose_step
 
 _HOST_DTYPES: dict[str, Any] = {
@@ -43,7 +44,7 @@ def rebuild_command(manifest: Manifest, target: str) -> str:
     )
 
 
-class Drafter:
+class Drafter(PagedSequences):
     """A loaded artifact. Create sequences, append their context rows, propose blocks of drafts."""
 
     def __init__(
@@ -82,8 +83,9 @@ class Drafter:
         tensors the serving engine already holds (an int address, or an object exposing
         `__cuda_array_interface__`); those are used in place and not uploaded."""
         path = Path(path)
-        required = (CUBIN,) if external_weights and set(external_weights) else (CUBIN, WEIGHTS)
-        manifest = load_manifest(path, require=required)
+        manifest = load_manifest(path, require=())
+        if set(manifest.weights) - set(external_weights or {}):
+            manifest = load_manifest(path, require=(CUBIN, WEIGHTS))
         device = device or Device()
         found = device.compute_capability
         if found != manifest.target.compute_capability:
@@ -117,37 +119,69 @@ class Drafter:
             out[name] = pointer
         return out
 
-    # sequences ----------------------------------------------------------------------------------
-    def create(self, seq_id: int) -> None:
-        self.pages.create(seq_id)
-
-    def free(self, seq_id: int) -> None:
-        self.pages.free(seq_id)
-
-    def rollback(self, seq_id: int, length: int) -> None:
-        self.pages.rollback(seq_id, length)
-
-    def length(self, seq_id: int) -> int:
-        return self.pages.length(seq_id)
-
     # phases -------------------------------------------------------------------------------------
     def append_context(self, seq_ids: Sequence[int], taps: Sequence[Any], positions: Sequence[Any]) -> None:
-        """Write each sequence's new context rows into the cache (`taps[i]`: [C_i, T*H_t], host arrays).
+        """Write each sequence's new context rows into the cache.
 
-        Rows beyond the build's `max_ctx_rows` are processed in several launches of the phase.
+        `taps[i]` is [C_i, T*H_t]: a host array, or a bf16 device tensor (DLPack or
+        `__cuda_array_interface__`), copied device to device. Rows beyond the build's `max_ctx_rows` are
+        processed in several launches of the phase.
         """
         step = context_step(self.pages, seq_ids, [np.asarray(p) for p in positions])
-        rows = np.concatenate([np.asarray(t, np.float32) for t in taps]).astype(ml_dtypes.bfloat16)
         phase = self.phases["append_context"]
+        width = int(phase.plan.values["taps"].shape[1])
+        pieces = [self._rows(t, width, f"taps[{i}]") for i, t in enumerate(taps)]
         chunk = phase.maxima["ctx"]
-        for start in range(0, len(step.slots), chunk):
-            part = slice(start, start + chunk)
-            n = len(step.slots[part])
-            phase.write_input("taps", rows[part], self.stream)
-            phase.write_input("ctx_positions", step.positions[part], self.stream)
-            phase.write_input("ctx_slots", step.slots[part], self.stream)
-            phase.run({"ctx": n, "pages": self.manifest.kv_cache.num_pages}, self.stream)
+        total = len(step.slots)
+        for start in range(0, total, chunk):
+            stop = min(total, start + chunk)
+            self._gather_rows(phase, "taps", pieces, start, stop, width)
+            phase.write_input("ctx_positions", step.positions[start:stop], self.stream)
+            phase.write_input("ctx_slots", step.slots[start:stop], self.stream)
+            phase.run({"ctx": stop - start, "pages": self.manifest.kv_cache.num_pages}, self.stream)
         self.stream.synchronize()
+
+    @staticmethod
+    def _rows(value: Any, width: int, what: str) -> np.ndarray | DeviceArray:
+        if isinstance(value, np.ndarray) or not (
+            hasattr(value, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
+        ):
+            rows = np.asarray(value, np.float32)
+            if rows.ndim != 2 or rows.shape[1] != width:
+                raise ValueError(f"{what}: expected [rows, {width}], found {list(rows.shape)}")
+            return rows.astype(ml_dtypes.bfloat16)
+        array = device_array(value)
+        if len(array.shape) != 2 or array.shape[1] != width or array.dtype != "bfloat16":
+            raise ValueError(
+                f"{what}: expected a bfloat16 [rows, {width}] device tensor, found {array.dtype}{list(array.shape)}"
+            )
+        return array
+
+    def _gather_rows(
+        self,
+        phase: PhaseExecutor,
+        name: str,
+        pieces: Sequence[np.ndarray | DeviceArray],
+        start: int,
+        stop: int,
+        width: int,
+    ) -> None:
+        """Rows [start, stop) of the concatenated pieces into input `name` (host pieces in one copy)."""
+        row_bytes = width * 2
+        base = phase.base[name]
+        offset = 0
+        for piece in pieces:
+            rows = piece.shape[0]
+            lo, hi = max(start, offset), min(stop, offset + rows)
+            if lo < hi:
+                dst = base + (lo - start) * row_bytes
+                if isinstance(piece, DeviceArray):
+                    self.device.copy(
+                        dst, piece.pointer + (lo - offset) * row_bytes, (hi - lo) * row_bytes, self.stream.handle
+                    )
+                else:
+                    self.device.upload(piece[lo - offset : hi - offset], dst, self.stream)
+            offset += rows
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         """Draft `block_size - 1` tokens per sequence; the anchor sits at the sequence's cached length."""
@@ -184,22 +218,15 @@ class Drafter:
 
 
 def _device_address(name: str, value: Any, manifest: Manifest) -> int:
-    """A device pointer from an int or a `__cuda_array_interface__` object, checked against the manifest."""
+    """A device pointer from an int or a device tensor (DLPack / CUDA array interface), checked against the
+    manifest's record of that weight."""
     if name not in manifest.weights:
         raise ArtifactError(
             f"external weight {name!r} is not a weight of this artifact; known: {sorted(manifest.weights)}"
         )
     if isinstance(value, int):
         return value
-    iface = getattr(value, "__cuda_array_interface__", None)
-    if iface is None:
-        raise ArtifactError(
-            f"external weight {name}: expected a device address (int) or an object with __cuda_array_interface__, "
-            f"found {type(value).__name__}"
-        )
     record = manifest.weights[name]
-    if tuple(iface["shape"]) != tuple(record.shape):
-        raise ArtifactError(f"external weight {name}: shape {tuple(iface['shape'])}, expected {record.shape}")
-    if iface.get("strides") not in (None, ()):
-        raise ArtifactError(f"external weight {name}: must be contiguous (row-major)")
-    return int(iface["data"][0])
+    array = device_array(value)
+    array.check(f"external weight {name}", record.shape, record.dtype)
+    return array.pointer

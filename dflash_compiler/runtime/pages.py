@@ -124,3 +124,21 @@ class PageAllocator:
         for seq in self._seqs.values():
             assert len(seq.pages) == self.pages_needed(seq.length), "page count does not match length"
             assert seq.length <= self.max_seq_len
+
+
+class PagedSequences:
+    """The sequence half of a drafter's API, over its page allocator (`self.pages`)."""
+
+    pages: PageAllocator
+
+    def create(self, seq_id: int) -> None:
+        self.pages.create(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        self.pages.free(seq_id)
+
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.pages.rollback(seq_id, length)
+
+    def length(self, seq_id: int) -> int:
+        return self.pages.length(seq_id)

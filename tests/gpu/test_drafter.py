@@ -69,3 +69,38 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     plain.close()
     for a, b in zip(first.run.records, second.run.records, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"graph vs plain, step {a.step}")
+
+
+def test_target_tensors_are_borrowed_zero_copy(artifact_dir, tmp_path):
+    """embed_tokens / lm_head passed as the serving engine's device tensors (DLPack) give the same drafts."""
+    torch = pytest.importorskip("torch")
+    from dflash_compiler.artifact import WEIGHTS, load_manifest
+    from dflash_compiler.checkpoint import write_example
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.pack import pack_weights
+    from dflash_compiler.protocol import run_scenario
+    from dflash_compiler.runtime.drafter import Drafter
+    from dflash_compiler.selfcheck import default_scenario
+    from dflash_compiler.weights import WeightSet
+
+    artifact = tmp_path / Path(artifact_dir).name
+    shutil.copytree(artifact_dir, artifact)
+    ckpt = tmp_path / "ckpt"
+    write_example(_example_of(load_manifest(artifact, require=())), ckpt, seed=SEED)
+    pack_weights(artifact, ckpt / "drafter", ckpt / "target")
+    cfg = load_drafter_config(ckpt / "drafter")
+    scenario = default_scenario(sequences=2, steps=6, seed=SEED)
+    stored = WeightSet(artifact / WEIGHTS)
+    borrowed = {
+        name: torch.from_numpy(stored.get(name).view(np.int16)).view(torch.bfloat16).cuda()
+        for name in ("target.embed_tokens", "target.lm_head")
+    }
+    own = Drafter.load(artifact)
+    want = run_scenario(own, cfg, scenario)
+    own.close()
+    other = Drafter.load(artifact, external_weights=borrowed, device=own.device)
+    assert other.weights["target.lm_head"] == borrowed["target.lm_head"].data_ptr()
+    got = run_scenario(other, cfg, scenario)
+    other.close()
+    for a, b in zip(want.records, got.records, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)

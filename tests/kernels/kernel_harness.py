@@ -44,3 +44,29 @@ def assert_spec_matches_numpy(spec: KernelSpec, sizes: Mapping[str, int], seed: 
     problems = mismatches(spec, got, ref)
     assert not problems, "\n".join(problems)
     return got
+
+
+def kernel_body(source: str, name: str) -> str:
+    """The CUDA body of `<name>_kernel` in a module's source (its definition, not the forward declaration)."""
+    import re
+
+    found = re.search(rf"void __launch_bounds__\(\d+\) {name}_kernel\([^)]*\) \{{\n(.*?)\n\}}\n", source, re.S)
+    assert found is not None, f"no definition of {name}_kernel in the CUDA source"
+    return found.group(1)
+
+
+def lowered_per_target(rule, cases):
+    """`get(target)`: the CUDA module of `rule` applied to every `(spec, knobs, ...)` case, lowered once per target."""
+    import tvm
+
+    from dflash_compiler.codegen import lower_to_cuda
+
+    cache = {}
+
+    def get(target):
+        if target.name not in cache:
+            kernels = [rule.apply(spec, target, knobs) for spec, knobs, *_ in cases]
+            cache[target.name] = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)
+        return cache[target.name]
+
+    return get

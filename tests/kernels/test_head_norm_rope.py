@@ -23,9 +23,7 @@ from dflash_compiler.targets import SM90, SM121
 tvm = pytest.importorskip("tvm")
 pytest.importorskip("ml_dtypes")
 
-from kernel_harness import assert_spec_matches_numpy, run_llvm  # noqa: E402
-
-from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
+from kernel_harness import assert_spec_matches_numpy, kernel_body, lowered_per_target, run_llvm  # noqa: E402
 
 BF16 = "bfloat16"
 ROWS = "nb*blk"
@@ -210,25 +208,10 @@ LOWERED = [  # (spec, knobs, grid, block)
 ]
 
 
-def _kernel_body(source: str, name: str) -> str:
-    """The CUDA body of `<name>_kernel` (its definition, not the forward declaration)."""
-    found = re.search(rf"void __launch_bounds__\(\d+\) {name}_kernel\([^)]*\) \{{\n(.*?)\n\}}\n", source, re.S)
-    assert found is not None, f"no definition of {name}_kernel in the CUDA source"
-    return found.group(1)
-
-
 @pytest.fixture(scope="module")
 def lowered():
-    """The family's module lowered once per target: {target name: CudaModule}."""
-    cache = {}
-
-    def get(target):
-        if target.name not in cache:
-            kernels = [HeadNormRopeRule().apply(spec, target, knobs) for spec, knobs, *_ in LOWERED]
-            cache[target.name] = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)
-        return cache[target.name]
-
-    return get
+    """The family's module lowered once per target."""
+    return lowered_per_target(HeadNormRopeRule(), LOWERED)
 
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
@@ -239,7 +222,7 @@ def test_lowered_launch_shape(lowered, target, spec, knobs, grid, block):
     assert launch.grid == grid and launch.block == block
     assert launch.dynamic_smem == "0"
     assert func.workspaces == ()
-    body = _kernel_body(lowered(target).source, spec.name)
+    body = kernel_body(lowered(target).source, spec.name)
     for size in re.findall(r"alignas\(\d+\) \w+ \w+_local_ptr\[(\d+)\]", body):
         assert int(size) <= 16  # a lane's vectors of x in registers; never a head- or row-sized local array
     shared = [int(n) for n in re.findall(r"__shared__ alignas\(\d+\) \w+ \w+\[(\d+)\]", body)]

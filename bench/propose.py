@@ -1,0 +1,406 @@
+"""The drafter step on the GPU: ours vs a PyTorch implementation of the same step vs the memory roofline.
+
+One step = append 7 new context rows per sequence + propose one block of 16 per sequence, with 4096
+context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-DFlash-b16 shape.
+
+    # build box (TVM, no GPU): the sm_90 artifacts, bf16 and FP8, kernels and plans only
+    python bench/propose.py build -o build/propose
+    # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
+    PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
+
+`run` makes the example's random checkpoint, packs both artifacts (numpy only), fills every sequence's
+cache, and measures in one process: our step (both phases replayed as CUDA graphs, GPU time between
+events), the PyTorch peer (static cache, fused projections, SDPA, the whole step in one CUDA graph) and the
+roofline (bytes one step must read ÷ the device-to-device copy bandwidth measured in the same run). It
+prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per nb, a per-kernel breakdown
+of our step, and how often our drafts equal the peer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+EXAMPLE = "qwen3-8b-dflash-b16"
+BATCHES = (1, 4, 8, 16)
+CACHED = 4096
+NEW_ROWS = 7
+REPEATS = 30
+PRECISIONS = ("bf16", "fp8")
+
+
+# ------------------------------------------------------------------------------------------ build box
+
+
+def build(args: argparse.Namespace) -> None:
+    from dflash_compiler.checkpoint import example_config_path
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.options import BuildOptions, Precision
+    from dflash_compiler.pipeline import compile_drafter
+    from dflash_compiler.targets import SM90
+
+    cfg = load_drafter_config(example_config_path(EXAMPLE))
+    for precision in PRECISIONS:
+        options = BuildOptions(
+            max_batch=max(BATCHES), max_seq_len=CACHED + 64, max_ctx_rows=512, precision=Precision(precision)
+        )
+        out = Path(args.out) / f"{EXAMPLE}-sm_90-{precision}"
+        _, manifest = compile_drafter(cfg, options, SM90, out, overwrite=True)
+        print(f"{out}: {len(manifest.kernels)} kernels, predicted {manifest.roofline.predicted_us}")
+
+
+# -------------------------------------------------------------------------------------------- GPU box
+
+
+def _step_bytes(manifest: Any, nb: int) -> int:
+    """DRAM bytes one step must read: every weight both phases use, once, and each sequence's cached K/V."""
+    used = {
+        b.value
+        for p in manifest.phases.values()
+        for c in p.calls
+        for b in c.buffers
+        if p.values[b.value].kind == "weight"
+    }
+    weights = sum(math.prod(manifest.weights[w].shape) * _itemsize(manifest.weights[w].dtype) for w in used)
+    return weights + nb * (CACHED + NEW_ROWS) * manifest.roofline.kv_bytes_per_cached_row
+
+
+def _itemsize(dtype: str) -> int:
+    from dflash_compiler.plans import dtype_bytes
+
+    return dtype_bytes(dtype)
+
+
+def _fill(drafter: Any, nb: int, width: int, rng: np.random.Generator) -> None:
+    """Create `nb` sequences holding CACHED context rows each (random taps, appended in 512-row pieces)."""
+    for seq in range(nb):
+        drafter.create(seq)
+        for start in range(0, CACHED, 512):
+            rows = min(512, CACHED - start)
+            taps = rng.standard_normal((rows, width), np.float32)
+            drafter.append_context([seq], [taps], [np.arange(start, start + rows)])
+
+
+def _ours(drafter: Any, nb: int, rng: np.random.Generator) -> dict[str, Any]:
+    """GPU time of one step (append graph + propose graph), median of REPEATS, and a per-call breakdown."""
+    from dflash_compiler.runtime.cuda import EventTimer
+    from dflash_compiler.runtime.steps import context_step, propose_step
+
+    m = drafter.manifest
+    kv = m.kv_cache
+    append, propose = drafter.phases["append_context"], drafter.phases["propose"]
+    width = int(append.plan.values["taps"].shape[1])
+    seqs = list(range(nb))
+    positions = [np.arange(CACHED, CACHED + NEW_ROWS)] * nb
+    ctx = context_step(drafter.pages, seqs, positions)
+    append.write_input("taps", rng.standard_normal((nb * NEW_ROWS, width), np.float32).astype(_bf16()), drafter.stream)
+    append.write_input("ctx_positions", ctx.positions, drafter.stream)
+    append.write_input("ctx_slots", ctx.slots, drafter.stream)
+    step = propose_step(drafter.pages, seqs, m.block_size, kv.pages_per_seq)  # lengths include the new rows
+    propose.write_input(
+        "anchors", rng.integers(0, m.weights["target.embed_tokens"].shape[0], nb).astype(np.int32), drafter.stream
+    )
+    propose.write_input("blk_positions", step.positions, drafter.stream)
+    propose.write_input("block_table", step.block_table, drafter.stream)
+    propose.write_input("cache_lens", step.cache_lens, drafter.stream)
+    dims_a = {"ctx": nb * NEW_ROWS, "pages": kv.num_pages}
+    dims_p = {"nb": nb, "blk": m.block_size, "pages": kv.num_pages, "maxp": kv.pages_per_seq}
+    append.run_graph(dims_a, drafter.stream)
+    propose.run_graph(dims_p, drafter.stream)
+    drafter.stream.synchronize()
+    samples = []
+    for _ in range(REPEATS):
+        with EventTimer(drafter.stream.handle) as timer:
+            append.run_graph(dims_a, drafter.stream)
+            propose.run_graph(dims_p, drafter.stream)
+        samples.append(timer.elapsed_ms())
+    outputs = dict(propose.plan.outputs)
+    tokens = propose.read_value(outputs["tokens"], dims_p, np.int32, drafter.stream).reshape(nb, -1)
+    breakdown = _breakdown(drafter, [(append, dims_a), (propose, dims_p)])
+    return {
+        "ms": statistics.median(samples),
+        "samples": samples,
+        "tokens": tokens,
+        "breakdown": breakdown,
+        "anchors": propose.read_value("anchors", dims_p, np.int32, drafter.stream),
+    }
+
+
+def _breakdown(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[tuple[str, str, float]]:
+    """(node, kernel, µs) of every launch: events recorded between launches inside one captured graph."""
+    from cuda.bindings import driver as cu
+
+    from dflash_compiler.runtime.cuda import CudaGraph, check
+
+    labels, events = [], [check(cu.cuEventCreate(0), "cuEventCreate")]
+    launches = []
+    for phase, dims in phases:
+        prepared = phase.prepared(dims)
+        calls = [(c.node, k.name) for c in phase.plan.calls for k in phase.kernels[c.kernel].kernels]
+        for (node, kernel), p in zip(calls, prepared, strict=True):
+            launches.append((phase, p))
+            labels.append((node, kernel))
+            events.append(check(cu.cuEventCreate(0), "cuEventCreate"))
+
+    def record(handle: Any) -> None:
+        check(cu.cuEventRecord(events[0], handle), "cuEventRecord")
+        for i, (phase, p) in enumerate(launches):
+            phase.module.launch(p.launch, p.pointers, p.env, handle)
+            check(cu.cuEventRecord(events[i + 1], handle), "cuEventRecord")
+
+    graph = CudaGraph(drafter.stream, record)
+    per = [[] for _ in labels]
+    for _ in range(10):
+        graph.launch(drafter.stream)
+        drafter.stream.synchronize()
+        for i in range(len(labels)):
+            per[i].append(float(check(cu.cuEventElapsedTime(events[i], events[i + 1]), "cuEventElapsedTime")) * 1e3)
+    graph.destroy()
+    return [(node, kernel, statistics.median(t)) for (node, kernel), t in zip(labels, per, strict=True)]
+
+
+def _bf16() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+# ------------------------------------------------------------------------------------------ PyTorch peer
+
+
+class TorchPeer:
+    """The same step in PyTorch: static KV cache per layer, fused QKV / gate-up / context K/V weights,
+    SDPA with GQA, bf16; append + propose captured in one CUDA graph."""
+
+    def __init__(self, weights: dict[str, Any], cfg: Any, nb: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.w, self.cfg, self.nb = weights, cfg, nb
+        dev, bf16 = "cuda", torch.bfloat16
+        self.L, self.H, self.Hq, self.Hkv, self.D = (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.B = cfg.block_size
+        self.len = CACHED + NEW_ROWS
+        total = self.len + self.B
+        self.k = torch.randn(self.L, nb, self.Hkv, total, self.D, device=dev, dtype=bf16)
+        self.v = torch.randn(self.L, nb, self.Hkv, total, self.D, device=dev, dtype=bf16)
+        self.taps = torch.randn(nb * NEW_ROWS, cfg.fc_in_features, device=dev, dtype=bf16)
+        self.anchors = torch.zeros(nb, dtype=torch.long, device=dev)
+        inv = weights["rope.inv_freq"].float()
+        pos_ctx = torch.arange(CACHED, self.len, device=dev).float()
+        pos_blk = torch.arange(self.len, total, device=dev).float()
+        self.cos_ctx, self.sin_ctx = self._table(pos_ctx, inv)
+        self.cos_blk, self.sin_blk = self._table(pos_blk, inv)
+        self.mask_ids = torch.full((nb, self.B - 1), cfg.mask_token_id, dtype=torch.long, device=dev)
+        self.eps = cfg.rms_norm_eps
+        self.graph = None
+        self.tokens = None
+
+    def _table(self, pos: Any, inv: Any) -> tuple[Any, Any]:
+        f = pos[:, None] * inv[None, :]
+        emb = self.torch.cat([f, f], dim=-1)
+        return emb.cos().to(self.torch.bfloat16), emb.sin().to(self.torch.bfloat16)
+
+    def _rope(self, x: Any, cos: Any, sin: Any) -> Any:  # x [..., T, D] with T matching cos rows
+        half = self.D // 2
+        rotated = self.torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _rms(self, x: Any, w: Any) -> Any:
+        return self.torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), w.float(), self.eps).to(x.dtype)
+
+    def step(self) -> Any:
+        torch, w, nb, B = self.torch, self.w, self.nb, self.B
+        F = torch.nn.functional
+        # append_context: fc -> hidden_norm -> fused K/V of every layer -> k_norm + rope -> static cache
+        c = self._rms(self.taps @ w["fc.weight"].T, w["hidden_norm.weight"])
+        kv = (c @ w["ctx_kv.weight"].T).view(nb, NEW_ROWS, self.L, 2, self.Hkv, self.D)
+        for layer in range(self.L):
+            kc = self._rms(kv[:, :, layer, 0], w[f"layers.{layer}.self_attn.k_norm.weight"]).transpose(1, 2)
+            self.k[layer, :, :, CACHED : self.len] = self._rope(kc, self.cos_ctx, self.sin_ctx)
+            self.v[layer, :, :, CACHED : self.len] = kv[:, :, layer, 1].transpose(1, 2)
+        # propose: embed [anchor, MASK...] -> layers over the cached rows + the block's own K/V -> lm_head
+        ids = torch.cat([self.anchors[:, None], self.mask_ids], dim=1).reshape(-1)
+        h = w["target.embed_tokens"][ids]
+        for layer in range(self.L):
+            p = f"layers.{layer}."
+            x = self._rms(h, w[p + "input_layernorm.weight"])
+            qkv = x @ w[f"l{layer}.qkv.weight"].T
+            q, k, v = qkv.split([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+            q = self._rms(q.view(nb, B, self.Hq, self.D), w[p + "self_attn.q_norm.weight"]).transpose(1, 2)
+            k = self._rms(k.view(nb, B, self.Hkv, self.D), w[p + "self_attn.k_norm.weight"]).transpose(1, 2)
+            q = self._rope(q, self.cos_blk, self.sin_blk)
+            self.k[layer, :, :, self.len :] = self._rope(k, self.cos_blk, self.sin_blk)
+            self.v[layer, :, :, self.len :] = v.view(nb, B, self.Hkv, self.D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, self.k[layer], self.v[layer], enable_gqa=True)
+            h = h + o.transpose(1, 2).reshape(nb * B, self.Hq * self.D) @ w[p + "self_attn.o_proj.weight"].T
+            m = self._rms(h, w[p + "post_attention_layernorm.weight"])
+            g, u = (m @ w[f"l{layer}.gate_up.weight"].T).chunk(2, dim=-1)
+            h = h + (F.silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
+        hn = self._rms(h, w["norm.weight"]).view(nb, B, self.H)[:, 1:]
+        logits = hn.reshape(nb * (B - 1), self.H) @ w["target.lm_head"].T
+        return logits.float().argmax(-1).view(nb, B - 1)
+
+    def capture(self) -> None:
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.tokens = self.step()
+
+    def time(self) -> list[float]:
+        torch = self.torch
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.graph.replay()
+        samples = []
+        for _ in range(REPEATS):
+            start.record()
+            self.graph.replay()
+            stop.record()
+            stop.synchronize()
+            samples.append(start.elapsed_time(stop))
+        return samples
+
+
+def _torch_weights(artifact: Path) -> dict[str, Any]:
+    import torch
+
+    from dflash_compiler.artifact import WEIGHTS
+    from dflash_compiler.weights import WeightSet
+
+    stored = WeightSet(artifact / WEIGHTS)
+    out = {}
+    for name in stored.names():
+        a = stored.get(name)
+        if str(a.dtype) == "bfloat16":
+            out[name] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).cuda()
+        else:
+            out[name] = torch.from_numpy(np.asarray(a, np.float32)).cuda()
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_compiler.checkpoint import write_example
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.kernel_check import copy_bandwidth
+    from dflash_compiler.pack import pack_weights
+    from dflash_compiler.runtime.cuda import Device
+    from dflash_compiler.runtime.drafter import Drafter
+
+    device = Device()
+    bandwidth = copy_bandwidth(device)
+    print(f"device: {device.name}   copy bandwidth (D2D, read+write): {bandwidth / 1e9:.0f} GB/s")
+    work = Path(tempfile.mkdtemp(prefix="propose-bench-"))
+    write_example(EXAMPLE, work / "ckpt", seed=0)
+    cfg = load_drafter_config(work / "ckpt" / "drafter")
+    results: dict[str, Any] = {"device": device.name, "copy_gbps": bandwidth / 1e9, "rows": []}
+    peer_ms: dict[int, float] = {}
+    peer_tokens: dict[int, Any] = {}
+    for precision in args.precisions:
+        artifact = Path(args.bundle) / f"{EXAMPLE}-sm_90-{precision}"
+        local = work / artifact.name
+        shutil.copytree(artifact, local)
+        pack_weights(local, work / "ckpt" / "drafter", work / "ckpt" / "target")
+        if precision == "bf16" and not args.no_torch:
+            tw = _torch_weights(local)
+        print(f"\n== {precision}: {local.name}")
+        head = ("nb", "ours ms", "torch ms", "roof ms", "GB/s", "% roof", "vs torch", "same")
+        print("{:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>8} {:>6}".format(*head))
+        drafter = Drafter.load(local, device=device)
+        for nb in BATCHES:
+            rng = np.random.default_rng(nb)
+            _fill(drafter, nb, int(drafter.phases["append_context"].plan.values["taps"].shape[1]), rng)
+            ours = _ours(drafter, nb, rng)
+            nbytes = _step_bytes(drafter.manifest, nb)
+            roof_ms = nbytes / bandwidth * 1e3
+            if precision == "bf16" and not args.no_torch:
+                import torch
+
+                peer = TorchPeer(tw, cfg, nb)
+                peer.anchors.copy_(torch.from_numpy(ours["anchors"].astype(np.int64)).cuda())
+                peer.capture()
+                peer_ms[nb] = statistics.median(peer.time())
+                peer_tokens[nb] = peer.tokens.cpu().numpy()
+                del peer
+                torch.cuda.empty_cache()
+            same = float(np.mean(peer_tokens[nb] == ours["tokens"])) if nb in peer_tokens else float("nan")
+            ratio = ours["ms"] / peer_ms[nb] if nb in peer_ms else float("nan")
+            gbps = nbytes / (ours["ms"] * 1e-3) / 1e9
+            print(
+                f"{nb:>3} {ours['ms']:9.3f} {peer_ms.get(nb, float('nan')):9.3f} {roof_ms:8.3f} {gbps:7.0f} "
+                f"{100 * roof_ms / ours['ms']:6.1f}% {ratio:8.2f} {same:6.2f}"
+            )
+            results["rows"].append(
+                {
+                    "precision": precision,
+                    "nb": nb,
+                    "ours_ms": ours["ms"],
+                    "torch_ms": peer_ms.get(nb),
+                    "roofline_ms": roof_ms,
+                    "bytes": nbytes,
+                    "gbps": gbps,
+                    "x_roofline": ours["ms"] / roof_ms,
+                    "ratio_to_torch": ratio,
+                    "same_tokens_as_torch": same,
+                    "breakdown": ours["breakdown"],
+                }
+            )
+            if nb in (1, max(BATCHES)):
+                total = sum(t for _, _, t in ours["breakdown"])
+                print(f"    per-kernel (nb={nb}, sum {total / 1e3:.3f} ms):")
+                by_kernel: dict[str, float] = {}
+                for _node, kernel, t in ours["breakdown"]:
+                    by_kernel[kernel] = by_kernel.get(kernel, 0.0) + t
+                for kernel, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
+                    print(f"      {kernel:48s} {t:9.1f} µs  {100 * t / total:5.1f}%")
+            for seq in range(nb):
+                drafter.free(seq)
+        drafter.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=float))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build box: the bf16 and FP8 sm_90 artifacts")
+    b.add_argument("-o", "--out", required=True)
+    r = sub.add_parser("run", help="GPU box: pack, fill the caches, measure")
+    r.add_argument("bundle")
+    r.add_argument("--precisions", nargs="*", default=list(PRECISIONS))
+    r.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    r.add_argument("--json")
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

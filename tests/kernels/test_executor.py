@@ -1,0 +1,114 @@
+"""The launch-plan executor on a recording fake device: buffers, views, aliases and sizes, without a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dflash_compiler.plans import dtype_bytes
+from dflash_compiler.runtime.executor import PhaseExecutor
+
+pytest.importorskip("tvm")
+
+
+class FakeDevice:
+    """Hands out disjoint address ranges and records uploads."""
+
+    def __init__(self) -> None:
+        self.next = 1 << 32
+        self.sizes: dict[int, int] = {}
+
+    def alloc(self, nbytes: int) -> int:
+        pointer = self.next
+        self.sizes[pointer] = max(int(nbytes), 1)
+        self.next += (max(int(nbytes), 1) + 255) // 256 * 256
+        return pointer
+
+    def free(self, pointer: int) -> None:
+        del self.sizes[pointer]
+
+
+class FakeModule:
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, dict[str, int], dict[str, int]]] = []
+
+    def launch(self, launch, pointers, env, stream=0) -> None:
+        self.launches.append((launch.name, dict(pointers), dict(env)))
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.options import BuildOptions
+    from dflash_compiler.pipeline import compile_drafter
+    from dflash_compiler.targets import SM90
+
+    cfg = load_drafter_config("examples/tiny-dflash")
+    options = BuildOptions(max_batch=4, max_seq_len=256, max_ctx_rows=64)
+    return compile_drafter(cfg, options, SM90, tmp_path_factory.mktemp("a") / "tiny")[1]
+
+
+def _executor(manifest, phase: str):
+    device, module = FakeDevice(), FakeModule()
+    weights = {name: device.alloc(math.prod(w.shape) * dtype_bytes(w.dtype)) for name, w in manifest.weights.items()}
+    kv = device.alloc(manifest.kv_cache.total_bytes)
+    ex = PhaseExecutor(device, module, manifest.phases[phase], manifest.kernels, {**weights, "kv_cache": kv})
+    return ex, module, weights, kv
+
+
+def test_kv_writes_go_to_their_layer_and_half(manifest):
+    ex, module, _, kv = _executor(manifest, "append_context")
+    dims = {"ctx": 5, "pages": manifest.kv_cache.num_pages}
+    ex.run(dims)
+    plan = manifest.phases["append_context"]
+    shape = [int(d) if isinstance(d, int) else dims[d] for d in plan.values["kv_cache"].shape]
+    half = math.prod(shape[2:]) * 2  # one layer's K or V pages, bf16
+    writes = [c for c in plan.calls if c.kernel.startswith("kv_write")]
+    assert len(writes) == 2 * shape[0]
+    seen = set()
+    for call in writes:
+        (binding,) = [b for b in call.buffers if b.param == "cache"]
+        layer, which = binding.index
+        launches = [x for x in module.launches if x[0].startswith(call.kernel)]
+        assert ex.address(binding, dims) == kv + (2 * layer + which) * half
+        seen.add((layer, which))
+        assert launches, call.kernel
+    assert seen == {(layer, which) for layer in range(shape[0]) for which in (0, 1)}
+
+
+def test_every_launch_gets_every_pointer_and_its_sizes(manifest):
+    ex, module, _, _ = _executor(manifest, "propose")
+    dims = {
+        "nb": 3,
+        "blk": manifest.block_size,
+        "pages": manifest.kv_cache.num_pages,
+        "maxp": manifest.kv_cache.pages_per_seq,
+    }
+    ex.run(dims)
+    plan = manifest.phases["propose"]
+    expected = sum(len(manifest.kernels[c.kernel].kernels) for c in plan.calls)
+    assert len(module.launches) == expected
+    launches = [(call, k) for call in plan.calls for k in manifest.kernels[call.kernel].kernels]
+    for (name, pointers, env), (call, launch) in zip(module.launches, launches, strict=True):
+        assert name == launch.name
+        for p in launch.params:
+            if p.kind == "ptr":  # inside a buffer the executor or the caller allocated
+                address = pointers[p.source]
+                assert any(base <= address < base + size for base, size in ex.device.sizes.items()), (name, p.name)
+        expected_sizes = {"nb*blk": 3 * manifest.block_size, "nb*(blk-1)": 3 * (manifest.block_size - 1), "nb": 3}
+        for var, expr in call.sizes:
+            if expr in expected_sizes:
+                assert env[var] == expected_sizes[expr], (call.node, var)
+
+
+def test_scratch_values_live_in_the_arena_and_aliases_resolve(manifest):
+    ex, _, _, kv = _executor(manifest, "append_context")
+    plan = manifest.phases["append_context"]
+    for name, slot in plan.values.items():
+        owner = plan.resolve(name)
+        if slot.kind == "scratch":
+            assert ex.base[name] == ex.arena + slot.offset
+            assert slot.offset + ex.max_bytes(name) <= plan.arena_bytes
+        if name.endswith("write_v") or name == "kv_cache_out":
+            assert owner == "kv_cache" and ex.base[owner] == kv
