@@ -74,6 +74,8 @@ def cases_from_plans(plans: Iterable[object], dims: Sequence[tuple[str, Mapping[
         for call in plan.calls:  # type: ignore[attr-defined]
             for label, binding in dims:
                 sizes = {var: eval_dim(expr, binding) for var, expr in call.sizes}
+                if any(v <= 0 for v in sizes.values()):
+                    continue  # a binding for the other phase (no context rows in a propose step)
                 key = (call.kernel, tuple(sorted(sizes.items())))
                 seen.setdefault(key, CheckCase(call.kernel, sizes, label))
     return list(seen.values())

@@ -1,0 +1,81 @@
+"""Run a phase's kernel plan on the CPU: every call is the llvm build of its kernel's unscheduled PrimFunc.
+
+This checks everything between the graph and the GPU schedules — which kernel each node gets, how its
+parameters bind graph values (views included), how its sizes bind the dims — against the numpy
+interpreter, on a machine without a GPU. Only the CUDA schedules' index math is left to the GPU tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from dflash_compiler.ir.graph import Graph, eval_dim
+from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.weights import WeightCache
+from dflash_compiler.kernel_plan import KernelPlan
+from dflash_compiler.launch_plan import phase_plan
+
+_NP = {
+    "bfloat16": ml_dtypes.bfloat16,
+    "float32": np.float32,
+    "int32": np.int32,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+}
+
+
+def run_plan_on_cpu(
+    graph: Graph,
+    plan: KernelPlan,
+    inputs: Mapping[str, np.ndarray],
+    weights: WeightCache,
+    state: dict[str, np.ndarray],
+    dims: Mapping[str, int],
+    values_out: dict[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """The phase's OUTPUT values; `state` (the KV cache, stored in its graph dtype) is updated in place.
+
+    With `values_out`, every value's buffer is left there by name (for node-by-node comparisons).
+    """
+    import tvm
+    from kernel_harness import _llvm_build
+
+    launch = phase_plan(graph, plan)
+    values: dict[str, np.ndarray] = {}
+    for name, slot in launch.values.items():
+        shape = tuple(eval_dim(d, dims) for d in slot.shape)
+        if slot.kind == "input":
+            values[name] = np.ascontiguousarray(np.asarray(inputs[name]).astype(_NP[slot.dtype]))
+        elif slot.kind == "weight":
+            values[name] = np.ascontiguousarray(weights.get(graph.node(name).attr("decl")).astype(_NP[slot.dtype]))
+        elif slot.kind == "state":
+            values[name] = state[name]
+        elif slot.kind in ("scratch", "output"):
+            values[name] = np.zeros(shape, _NP[slot.dtype])
+    dev = tvm.cpu()
+    for call in plan.calls:
+        kernel = plan.kernels[call.kernel]
+        sizes = {var: eval_dim(expr, dims) for var, expr in call.sizes}
+        tensors, views = [], {}
+        for param, binding in call.buffers:
+            base = values[launch.resolve(binding.value)]
+            view = base[binding.index] if binding.index else base
+            views[param] = (view, binding)
+            tensors.append(tvm.runtime.tensor(np.ascontiguousarray(view), dev))
+        for p in kernel.spec.params():
+            shape = tuple(sizes[d] if isinstance(d, str) else d for d in p.shape)
+            got = views[p.name][0].shape
+            assert got == shape, f"{call.node}: {p.name} bound to {got}, the kernel expects {shape}"
+        _llvm_build(kernel.spec)[kernel.name](*tensors)
+        for (param, (view, _)), tensor in zip(views.items(), tensors, strict=True):
+            if next(p for p in kernel.spec.params() if p.name == param).written:
+                view[...] = tensor.numpy()
+    if values_out is not None:
+        values_out.update(values)
+    return {name: values[launch.resolve(value)] for name, value in launch.outputs}
+
+
+def boundary_ops() -> frozenset[Op]:
+    return frozenset({Op.INPUT, Op.WEIGHT, Op.STATE, Op.OUTPUT})
