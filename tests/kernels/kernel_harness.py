@@ -70,3 +70,26 @@ def lowered_per_target(rule, cases):
         return cache[target.name]
 
     return get
+
+
+def assert_imports_without_tvm(module: str) -> None:
+    """Importing `module` in a fresh interpreter must not import TVM (the GPU box has none)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = f"import sys, {module}; assert 'tvm' not in sys.modules, 'importing {module} imported TVM'"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, env=env, timeout=60)
+
+
+def assert_nvrtc_builds(cuda, arch: str = "sm_90a") -> None:
+    """NVRTC compiles a lowered module for `arch`; the cubin's ELF says so and holds every kernel."""
+    from dflash_compiler.cubin import cubin_arch, kernel_names
+    from dflash_compiler.nvrtc import compile_cubin
+
+    cubin = compile_cubin(cuda.source, arch)
+    assert cubin_arch(cubin) == arch
+    assert set(cuda.kernel_names()) <= set(kernel_names(cubin))

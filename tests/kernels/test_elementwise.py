@@ -7,12 +7,8 @@ kernels' launch shapes, vector accesses and register arrays are checked.
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +21,13 @@ from dflash_compiler.targets import SM90, SM121
 tvm = pytest.importorskip("tvm")
 pytest.importorskip("ml_dtypes")
 
-from kernel_harness import assert_spec_matches_numpy, kernel_body, lowered_per_target, run_llvm  # noqa: E402
+from kernel_harness import (  # noqa: E402
+    assert_imports_without_tvm,
+    assert_spec_matches_numpy,
+    kernel_body,
+    lowered_per_target,
+    run_llvm,
+)
 
 F32 = "float32"
 BF16 = "bfloat16"
@@ -39,15 +41,6 @@ def _silu(width: int, arity: int = 1) -> ElementwiseSpec:
 
 def _slice(start: int, stop: int, source: int) -> ElementwiseSpec:
     return ElementwiseSpec(Op.SLICE, stop - start, in_width=source, attrs=(("start", start), ("stop", stop)))
-
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _assert_imports_without_tvm(module: str) -> None:
-    code = f"import sys, {module}; assert 'tvm' not in sys.modules, 'importing {module} imported TVM'"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=60)
 
 
 # --------------------------------------------------------------------------------- numerics (llvm)
@@ -79,7 +72,7 @@ def test_llvm_matches_numpy(spec, rows):
 
 def test_specs_travel_to_a_box_without_tvm():
     """The GPU check unpickles specs and runs sample/reference where TVM is not installed."""
-    _assert_imports_without_tvm("dflash_compiler.schedules.elementwise")
+    assert_imports_without_tvm("dflash_compiler.schedules.elementwise")
     spec = _slice(4096, 5120, 6144)
     assert pickle.loads(pickle.dumps(spec)) == spec
     assert spec.bytes_moved({"m": 16}) == 16 * 1024 * (2 + 2)  # only the sliced columns are read

@@ -4,12 +4,8 @@ recognition, size bindings, CUDA lowering for SM90/SM121 and one NVRTC compile f
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,19 +19,17 @@ from dflash_compiler.targets import SM90, SM121
 tvm = pytest.importorskip("tvm")
 pytest.importorskip("ml_dtypes")
 
-from kernel_harness import assert_spec_matches_numpy, kernel_body, lowered_per_target, run_llvm  # noqa: E402
+from kernel_harness import (  # noqa: E402
+    assert_imports_without_tvm,
+    assert_spec_matches_numpy,
+    kernel_body,
+    lowered_per_target,
+    run_llvm,
+)
 
 BF16 = "bfloat16"
 ROWS = "nb*blk"
 DRAFTS = "nb*(blk-1)"
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _assert_imports_without_tvm(module: str) -> None:
-    code = f"import sys, {module}; assert 'tvm' not in sys.modules, 'importing {module} imported TVM'"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=60)
 
 
 # --------------------------------------------------------------------------------- numerics (llvm)
@@ -66,7 +60,7 @@ def test_llvm_matches_numpy(spec, sizes):
 
 def test_specs_travel_to_a_box_without_tvm():
     """The GPU check unpickles specs and runs sample/reference where TVM is not installed."""
-    _assert_imports_without_tvm("dflash_compiler.schedules.embed")
+    assert_imports_without_tvm("dflash_compiler.schedules.embed")
     for spec in (EmbedSpec(151936, 4096), BlockIdsSpec(16, 151669), DropAnchorSpec(16, 4096)):
         assert pickle.loads(pickle.dumps(spec)) == spec
     assert EmbedSpec(151936, 4096).bytes_moved({"m": 64}) == 64 * (4 + 4096 * 4)  # the named rows, not the table
