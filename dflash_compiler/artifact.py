@@ -282,7 +282,7 @@ def human_summary(manifest: Manifest) -> list[tuple[str, str]]:
         ),
         ("calls", ", ".join(f"{name} {len(p.calls)}" for name, p in manifest.phases.items())),
         ("weights", f"{human_bytes(total.weights)}" + ("" if weights else " (not packed: run pack-weights)")),
-        ("precision", "; ".join(m.summary() for m in manifest.precision.values())),
+        ("precision", "; ".join(f"{phase}: {m.summary()}" for phase, m in manifest.precision.items())),
         ("kv pool", manifest.kv_cache.summary()),
         ("scratch", f"arenas {human_bytes(total.arenas)}, io {human_bytes(total.io)}"),
         ("device memory", human_bytes(total.total)),

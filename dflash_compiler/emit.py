@@ -59,7 +59,12 @@ def _value_bytes(plan: PhasePlan, kinds: tuple[str, ...]) -> int:
 
 
 def roofline(
-    weights: Mapping[str, WeightRecord], kv: KVCachePlan, bandwidth: float, propose: PhasePlan, max_batch: int
+    weights: Mapping[str, WeightRecord],
+    kv: KVCachePlan,
+    bandwidth: float,
+    propose: PhasePlan,
+    max_batch: int,
+    max_seq_len: int,
 ) -> Roofline:
     """Bytes per propose step over the bandwidth: every propose weight once, plus every cached K/V row."""
     used = {b.value for call in propose.calls for b in call.buffers if propose.values[b.value].kind == "weight"}
@@ -67,7 +72,7 @@ def roofline(
     per_row = kv.bytes_per_page // kv.page_size
     predicted = {}
     for nb in sorted({1, max_batch}):
-        for ctx in ROOFLINE_CONTEXTS:
+        for ctx in sorted({min(c, max_seq_len) for c in ROOFLINE_CONTEXTS}):
             predicted[f"nb={nb} ctx={ctx}"] = round((weight_bytes + nb * ctx * per_row) / bandwidth * 1e6, 1)
     return Roofline(
         bandwidth_bytes_per_s=bandwidth,
@@ -112,7 +117,14 @@ def make_manifest(
         kernel_rules={n: KernelRecord(rule=k.rule, knobs=dict(k.knobs)) for n, k in sorted(build.kernels.items())},
         phases=phases,
         memory_total=total,
-        roofline=roofline(weights, kv, build.target.dram_bandwidth_bytes_per_s, phases["propose"], options.max_batch),
+        roofline=roofline(
+            weights,
+            kv,
+            build.target.dram_bandwidth_bytes_per_s,
+            phases["propose"],
+            options.max_batch,
+            options.max_seq_len,
+        ),
         files={},
     )
 

@@ -69,7 +69,12 @@ def test_artifact_holds_its_files_and_decisions(built):
     for name, plan in manifest.phases.items():
         nodes = [c.node for c in plan.calls]
         assert len(nodes) == len(set(nodes)), name
-    assert manifest.roofline.weight_bytes > 0 and all(v > 0 for v in manifest.roofline.predicted_us.values())
+    roof = manifest.roofline
+    assert set(roof.predicted_us) == {"nb=1 ctx=256", "nb=4 ctx=256"}  # quoted at the longest admitted context
+    for nb in (1, 4):
+        expected = (roof.weight_bytes + nb * 256 * roof.kv_bytes_per_cached_row) / SM121.dram_bandwidth_bytes_per_s
+        assert roof.predicted_us[f"nb={nb} ctx=256"] == pytest.approx(expected * 1e6, abs=0.05)
+    assert roof.kv_bytes_per_cached_row == manifest.kv_cache.bytes_per_page // 16
     assert manifest.memory_total.total > manifest.kv_cache.total_bytes
 
 
