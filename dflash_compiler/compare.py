@@ -3,9 +3,12 @@
 The GPU computes in bf16 with f32 accumulation and the reference in f32, so a draft may differ where the
 reference's decision was a near-tie: the gap between its best and second-best score (the logits for
 DFlash, the Markov-biased logits for DSpark, the selector scores for DFlash2) is within the compiled
-path's error. A decision with a clear gap must agree. DSpark and DFlash2 pick drafts one after the other,
-each conditioned on the previous pick, so after a near-tie that went the other way the rest of that
-block is not comparable; DFlash's rows are independent and every clear row is compared.
+path's error. A decision with a clear gap must agree. DFlash2 picks among the top-k tokens of the logits,
+so its decision is clear only when that candidate set is too: the gap between the k-th and (k+1)-th
+logit must be clear as well (bf16 rounding swaps near-tied candidates at the set's edge, and a swapped-in
+token can win the selector by a wide margin). DSpark and DFlash2 pick drafts one after the other, each
+conditioned on the previous pick, so after a near-tie that went the other way the rest of that block is
+not comparable; DFlash's rows are independent and every clear row is compared.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ def _gap(scores: np.ndarray) -> float:
     return float(top[1] - top[0]) if top.size == 2 else float("inf")
 
 
+def _clear(scores: np.ndarray, rel_tol: float) -> bool:
+    spread = float(scores.max() - scores.min()) or 1.0
+    return _gap(scores) > rel_tol * spread
+
+
+def _set_is_clear(logits: np.ndarray, k: int, rel_tol: float) -> bool:
+    """The top-k set of `logits` is stable: the k-th and (k+1)-th values are a clear gap apart."""
+    if k >= logits.size:
+        return True
+    ordered = np.sort(np.asarray(logits, np.float64))[::-1]
+    spread = float(ordered[0] - ordered[-1]) or 1.0
+    return float(ordered[k - 1] - ordered[k]) > rel_tol * spread
+
+
 def compare_drafts(
     family: Family, reference: Sequence[object], got: Sequence[object], rel_tol: float = 0.02
 ) -> DraftComparison:
@@ -55,9 +72,12 @@ def compare_drafts(
         for row, proposal in enumerate(proposals):
             want, have = np.asarray(ref.tokens[row]), np.asarray(mine.tokens[row])  # type: ignore[attr-defined]
             scores = np.asarray(proposal.decision_scores, np.float64)
+            candidates = getattr(proposal, "candidates", None)
             for j in range(len(want)):
                 spread = float(scores[j].max() - scores[j].min()) or 1.0
-                clear = _gap(scores[j]) > rel_tol * spread
+                clear = _clear(scores[j], rel_tol)
+                if clear and candidates is not None:
+                    clear = _set_is_clear(np.asarray(proposal.logits[j]), np.shape(candidates)[1], rel_tol)
                 same = int(want[j]) == int(have[j])
                 if clear:
                     out.compared += 1

@@ -13,7 +13,6 @@ import ml_dtypes
 import numpy as np
 
 from dflash_compiler.ir.graph import Graph, eval_dim
-from dflash_compiler.ir.ops import Op
 from dflash_compiler.ir.weights import WeightCache
 from dflash_compiler.kernel_plan import KernelPlan
 from dflash_compiler.launch_plan import phase_plan
@@ -77,5 +76,50 @@ def run_plan_on_cpu(
     return {name: values[launch.resolve(value)] for name, value in launch.outputs}
 
 
-def boundary_ops() -> frozenset[Op]:
-    return frozenset({Op.INPUT, Op.WEIGHT, Op.STATE, Op.OUTPUT})
+class PlanDrafter:
+    """The kernel plans behind the drafter API, run on the CPU: the page allocator and step inputs of the
+    runtime, a bf16 KV cache, and every call an llvm build of its kernel (see `run_plan_on_cpu`)."""
+
+    def __init__(self, program, plans, tensors, num_pages: int, max_seq_len: int) -> None:
+        from dflash_compiler.graph_runner import GraphDrafter
+
+        self._graph = GraphDrafter(program, tensors, num_pages, max_seq_len)  # owns pages, weights, cfg
+        self.program, self.plans = program, plans
+        self.kv = {"kv_cache": self._graph.kv.astype(ml_dtypes.bfloat16)}
+
+    def __getattr__(self, name: str):  # create / free / rollback / length
+        return getattr(self._graph, name)
+
+    def append_context(self, seq_ids, taps, positions) -> None:
+        from dflash_compiler.runtime.steps import context_step
+
+        step = context_step(self._graph.pages, seq_ids, positions)
+        rows = np.concatenate([np.asarray(t, np.float32) for t in taps])
+        inputs = {"taps": rows, "ctx_positions": step.positions, "ctx_slots": step.slots}
+        dims = {"ctx": len(step.slots), "pages": self._graph.pages.num_pages}
+        run_plan_on_cpu(
+            self.program.append_context, self.plans["append_context"], inputs, self._graph.weights, self.kv, dims
+        )
+
+    def propose(self, seq_ids, anchors):
+        from dflash_compiler.graph_runner import Drafts
+        from dflash_compiler.runtime.steps import propose_step
+
+        block = self._graph.cfg.block_size
+        step = propose_step(self._graph.pages, seq_ids, block)
+        inputs = {
+            "anchors": np.asarray(anchors, np.int32),
+            "blk_positions": step.positions,
+            "block_table": step.block_table,
+            "cache_lens": step.cache_lens,
+        }
+        dims = {
+            "nb": len(seq_ids),
+            "blk": block,
+            "pages": self._graph.pages.num_pages,
+            "maxp": step.block_table.shape[1],
+        }
+        out = run_plan_on_cpu(self.program.propose, self.plans["propose"], inputs, self._graph.weights, self.kv, dims)
+        conf = out.get("confidences")
+        shape = (len(seq_ids), block - 1)
+        return Drafts(np.asarray(out["tokens"]).reshape(shape), None if conf is None else conf.reshape(shape))
