@@ -22,6 +22,18 @@ console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+# Build options shared by `plan` and `compile` (one declaration each; BuildOptions validates them).
+DrafterDir = Annotated[Path, typer.Argument(help="HF drafter directory (config.json [+ *.safetensors])")]
+BlockSize = Annotated[int | None, typer.Option(help="serve with this block size")]
+MaxBatch = Annotated[int, typer.Option(help="sequences per propose step")]
+MaxSeqLen = Annotated[int, typer.Option(help="longest sequence the KV cache admits")]
+MaxCtxRows = Annotated[int, typer.Option(help="most context rows one append takes")]
+PrecisionOpt = Annotated[str, typer.Option(help="bf16, fp8 or auto")]
+Exclude = Annotated[list[str] | None, typer.Option(help="glob of linears kept in bf16 (repeatable)")]
+KVBudget = Annotated[int | None, typer.Option(help="size the KV pool from a byte budget")]
+DumpDir = Annotated[Path | None, typer.Option("--dump-dir", help="write every phase's graph after each step")]
+
+
 def _fail(error: InputError) -> typer.Exit:
     err_console.print(f"[bold red]error[/]: {error.subject}: {len(error.problems)} problem(s)")
     for p in error.problems:
@@ -41,7 +53,7 @@ def _print_rows(title: str, rows: list[tuple[str, str]]) -> None:
 
 @app.command()
 def validate(
-    drafter_dir: Annotated[Path, typer.Argument(help="HF drafter directory (config.json [+ *.safetensors])")],
+    drafter_dir: DrafterDir,
     target_model: Annotated[
         Path | None, typer.Option("--target-model", help="target model directory (config.json + safetensors)")
     ] = None,
@@ -91,20 +103,18 @@ def make_example(
 
 @app.command()
 def plan(
-    drafter_dir: Annotated[Path, typer.Argument(help="HF drafter directory (config.json [+ *.safetensors])")],
+    drafter_dir: DrafterDir,
     target_model: Annotated[
         Path | None, typer.Option("--target-model", help="target model directory (needed for precision auto)")
     ] = None,
-    block_size: Annotated[int | None, typer.Option(help="serve with this block size")] = None,
-    max_batch: Annotated[int, typer.Option(help="sequences per propose step")] = 16,
-    max_seq_len: Annotated[int, typer.Option(help="longest sequence the KV cache admits")] = 8192,
-    max_ctx_rows: Annotated[int, typer.Option(help="most context rows one append takes")] = 512,
-    precision: Annotated[str, typer.Option(help="bf16, fp8 or auto")] = "bf16",
-    exclude: Annotated[list[str] | None, typer.Option(help="glob of linears kept in bf16 (repeatable)")] = None,
-    kv_budget_bytes: Annotated[int | None, typer.Option(help="size the KV pool from a byte budget")] = None,
-    dump_dir: Annotated[
-        Path | None, typer.Option("--dump-dir", help="write every phase's graph after each step")
-    ] = None,
+    block_size: BlockSize = None,
+    max_batch: MaxBatch = 16,
+    max_seq_len: MaxSeqLen = 8192,
+    max_ctx_rows: MaxCtxRows = 512,
+    precision: PrecisionOpt = "bf16",
+    exclude: Exclude = None,
+    kv_budget_bytes: KVBudget = None,
+    dump_dir: DumpDir = None,
 ) -> None:
     """Lower the drafter, run every graph pass and print the KV-cache, precision and memory plans."""
     from dflash_compiler.config import load_drafter_config
@@ -173,24 +183,22 @@ def _checkpoint_tensors(cfg, drafter_dir: Path, target_model: Path | None):
 
 @app.command()
 def compile(
-    drafter_dir: Annotated[Path, typer.Argument(help="HF drafter directory (config.json [+ *.safetensors])")],
+    drafter_dir: DrafterDir,
     out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to write")],
     target_model: Annotated[
         Path | None, typer.Option("--target-model", help="target model directory (embed_tokens, lm_head)")
     ] = None,
     target: Annotated[str, typer.Option(help="sm_90, sm_120, sm_121 or auto (the local GPU)")] = "auto",
-    block_size: Annotated[int | None, typer.Option(help="serve with this block size")] = None,
-    max_batch: Annotated[int, typer.Option(help="sequences per propose step")] = 16,
-    max_seq_len: Annotated[int, typer.Option(help="longest sequence the KV cache admits")] = 8192,
-    max_ctx_rows: Annotated[int, typer.Option(help="most context rows one append takes")] = 512,
-    precision: Annotated[str, typer.Option(help="bf16, fp8 or auto")] = "bf16",
-    exclude: Annotated[list[str] | None, typer.Option(help="glob of linears kept in bf16 (repeatable)")] = None,
-    kv_budget_bytes: Annotated[int | None, typer.Option(help="size the KV pool from a byte budget")] = None,
+    block_size: BlockSize = None,
+    max_batch: MaxBatch = 16,
+    max_seq_len: MaxSeqLen = 8192,
+    max_ctx_rows: MaxCtxRows = 512,
+    precision: PrecisionOpt = "bf16",
+    exclude: Exclude = None,
+    kv_budget_bytes: KVBudget = None,
     weights: Annotated[bool, typer.Option(help="pack weights.safetensors when the checkpoints are given")] = True,
     force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
-    dump_dir: Annotated[
-        Path | None, typer.Option("--dump-dir", help="write every phase's graph after each step")
-    ] = None,
+    dump_dir: DumpDir = None,
 ) -> None:
     """Compile a drafter into an artifact: kernels (cubin), plans and manifest, plus packed weights."""
     import time
