@@ -93,3 +93,19 @@ def assert_nvrtc_builds(cuda, arch: str = "sm_90a") -> None:
     cubin = compile_cubin(cuda.source, arch)
     assert cubin_arch(cubin) == arch
     assert set(cuda.kernel_names()) <= set(kernel_names(cubin))
+
+
+def assert_rule_schedules_node(rule, inst, target, name: str, knobs: dict[str, int]):
+    """`rule` takes the real node `inst`: its spec is named `name`, is a fixed point of `spec_of`, and the
+    scheduled kernel keeps the spec's parameters (the node's inputs in order, then its output)."""
+    spec = rule.spec_of(inst)
+    assert spec is not None and spec.name == name
+    assert rule.spec_of(spec) is spec
+    kernel = rule.apply(inst, target)
+    assert kernel is not None and kernel.name == name and kernel.rule == rule.name
+    assert dict(kernel.knobs) == knobs
+    assert kernel.func.attrs["tirx.is_scheduled"]
+    assert "tirx.is_scheduled" not in kernel.reference.attrs
+    assert [p.name for p in kernel.func.params] == [p.name for p in spec.params()]
+    assert len(spec.params()) == len(inst.inputs) + 1
+    return kernel

@@ -99,14 +99,21 @@ def test_identical_inputs_give_identical_bytes(built, checkpoint, tmp_path):
     ("damage", "message"),
     [
         (lambda p: (p / CUBIN).write_bytes((p / CUBIN).read_bytes()[:-100]), "kernels.cubin: .* bytes, the manifest"),
-        (lambda p: (p / GRAPH).write_text((p / GRAPH).read_text().replace("rmsnorm", "rmsnorM", 1)),
-         "graph.txt: sha256 .*edited or swapped"),
+        (
+            lambda p: (p / GRAPH).write_text((p / GRAPH).read_text().replace("rmsnorm", "rmsnorM", 1)),
+            "graph.txt: sha256 .*edited or swapped",
+        ),
         (lambda p: (p / SOURCE).unlink(), "kernels.cu: missing"),
-        (lambda p: (p / MANIFEST).write_text((p / MANIFEST).read_text().replace('"max_batch": 4', '"max_batch": 5')),
-         "manifest.json: its digest does not match"),
-        (lambda p: (p / MANIFEST).write_text(
-            (p / MANIFEST).read_text().replace('"schema_version": 1', '"schema_version": 99')),
-         "schema version 99"),
+        (
+            lambda p: (p / MANIFEST).write_text((p / MANIFEST).read_text().replace('"max_batch": 4', '"max_batch": 5')),
+            "manifest.json: its digest does not match",
+        ),
+        (
+            lambda p: (p / MANIFEST).write_text(
+                (p / MANIFEST).read_text().replace('"schema_version": 1', '"schema_version": 99')
+            ),
+            "schema version 99",
+        ),
         (lambda p: (p / MANIFEST).write_text("{"), "not valid JSON"),
     ],
     ids=["truncated", "edited", "missing", "manifest-edited", "schema", "garbage"],
