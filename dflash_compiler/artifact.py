@@ -144,8 +144,9 @@ def _hash_file(path: Path) -> FileRecord:
     return FileRecord(sha256=digest.hexdigest(), bytes=size)
 
 
-def write_artifact(out_dir: Path, manifest: Manifest, files: Mapping[str, bytes], overwrite: bool = False) -> Path:
-    """Write `files` and the sealed manifest (with their hashes) to `out_dir` via a temp dir and a rename."""
+def write_artifact(out_dir: Path, manifest: Manifest, files: Mapping[str, bytes], overwrite: bool = False) -> Manifest:
+    """Write `files` and the sealed manifest (with their hashes) to `out_dir` via a temp dir and a rename;
+    returns the sealed manifest as written."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise ArtifactError(f"{out_dir} exists. Fix: choose another -o, or pass --force to replace it")
@@ -155,8 +156,7 @@ def write_artifact(out_dir: Path, manifest: Manifest, files: Mapping[str, bytes]
             (tmp / name).write_bytes(data)
         return {name: file_record(data) for name, data in files.items()}
 
-    _stage(out_dir, manifest, fill)
-    return out_dir
+    return _stage(out_dir, manifest, fill)
 
 
 def add_file(artifact: Path, name: str, write: Callable[[Path], object]) -> Manifest:
@@ -236,7 +236,13 @@ def load_manifest(artifact: Path, require: tuple[str, ...] = (CUBIN,)) -> Manife
         )
     for name, record in sorted(manifest.files.items()):
         _check_file(artifact, name, record)
-    for name in require:
+    require_files(artifact, manifest, require)
+    return manifest
+
+
+def require_files(artifact: Path, manifest: Manifest, names: tuple[str, ...]) -> None:
+    """Refuse a verified manifest that lacks one of `names`, saying how to produce it."""
+    for name in names:
         if name not in manifest.files:
             fix = (
                 "run `dflash-compile pack-weights ARTIFACT DRAFTER_DIR --target-model DIR`"
@@ -244,7 +250,6 @@ def load_manifest(artifact: Path, require: tuple[str, ...] = (CUBIN,)) -> Manife
                 else "rebuild the artifact"
             )
             raise ArtifactError(f"{artifact}: has no {name}. Fix: {fix}")
-    return manifest
 
 
 def _check_file(artifact: Path, name: str, record: FileRecord) -> None:

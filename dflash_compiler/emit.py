@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from dflash_compiler import __version__
 from dflash_compiler.artifact import (
@@ -141,11 +140,7 @@ def emit(
     program: Program,
     build: KernelBuild,
     overwrite: bool = False,
-    extra_files: Mapping[str, bytes] | None = None,
 ) -> tuple[Path, Manifest]:
     manifest = make_manifest(Path(out_dir).name, cfg, options, program, build)
-    files: dict[str, Any] = {**artifact_files(program, build), **(extra_files or {})}
-    path = write_artifact(Path(out_dir), manifest, files, overwrite=overwrite)
-    from dflash_compiler.artifact import load_manifest
-
-    return path, load_manifest(path)
+    sealed = write_artifact(Path(out_dir), manifest, artifact_files(program, build), overwrite=overwrite)
+    return Path(out_dir), sealed
