@@ -21,7 +21,7 @@ from dflash_compiler.errors import DFlashError
 from dflash_compiler.ir.graph import Graph, Ref, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.schedules import RULES
-from dflash_compiler.schedules.base import Kernel, KernelSpec, OpInstance, Rule, apply_rules
+from dflash_compiler.schedules.base import Kernel, KernelSpec, OpInstance, Rule, no_rule_error
 from dflash_compiler.targets import Target
 
 # Graph-boundary ops need no kernel: inputs, weights and state are buffers, an output names a value.
@@ -113,16 +113,16 @@ def _kernel_for(
     known: dict[str, Kernel],
 ) -> Kernel:
     for rule in rules:
-        spec = rule.spec_of(op) if hasattr(rule, "spec_of") else None
-        if spec is not None and spec.name in known and known[spec.name].spec == spec:
-            return known[spec.name]
-    kernel = None
-    for rule in rules:
-        kernel = rule.apply(op, target, knobs.get(rule.name))
-        if kernel is not None:
+        spec = rule.spec_of(op)
+        if spec is None:
+            continue
+        if spec.name in known and known[spec.name].spec == spec:
+            return known[spec.name]  # the same kernel another node already has
+        kernel = rule.apply(spec, target, knobs.get(rule.name))
+        if kernel is not None:  # None: the rule declines this shape and leaves it to a later, more general one
             break
-    if kernel is None:
-        kernel = apply_rules(rules, op, target)  # raises the error that names the rules tried
+    else:
+        raise no_rule_error(rules, op, target)
     if kernel.spec is None:
         raise KernelPlanError(f"{op.name}: rule {kernel.rule} returned a kernel without its spec")
     previous = known.get(kernel.name)

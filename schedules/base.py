@@ -159,6 +159,10 @@ class Rule(ABC):
         """Knob values for `target`, derived from its capabilities."""
 
     @abstractmethod
+    def spec_of(self, subject: Any) -> KernelSpec | None:
+        """The spec `subject` (an OpInstance, or a spec of this family) describes; None when not this family."""
+
+    @abstractmethod
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         """Schedule `subject` (an OpInstance or a spec) for `target`, or None when this rule does not apply."""
 
@@ -190,10 +194,6 @@ class FamilyRule(Rule):
     """A rule built from a spec: `spec_of` recognises the work, `schedule` writes the CUDA schedule."""
 
     @abstractmethod
-    def spec_of(self, subject: Any) -> KernelSpec | None:
-        """The spec `subject` (an OpInstance, or a spec of this family) describes; None when not this family."""
-
-    @abstractmethod
     def schedule(self, spec: Any, target: Target, knobs: Mapping[str, int]) -> Any:
         """The CUDA-scheduled PrimFunc of `spec` (attr `tirx.is_scheduled` set); may raise ScheduleError."""
 
@@ -212,8 +212,13 @@ def apply_rules(rules: Sequence[Rule], subject: Any, target: Target, knobs: Mapp
         kernel = rule.apply(subject, target, knobs)
         if kernel is not None:
             return kernel
+    raise no_rule_error(rules, subject, target)
+
+
+def no_rule_error(rules: Sequence[Rule], subject: Any, target: Target) -> ScheduleError:
+    """The error for work no rule takes, naming the rules tried."""
     what = getattr(getattr(subject, "op", None), "value", None) or type(subject).__name__
-    raise ScheduleError(
+    return ScheduleError(
         f"no schedule rule applies to {what} on {target.name}; tried {', '.join(r.name for r in rules) or 'none'}. "
         "Fix: add a rule for this op (schedules/) or end the rule list with a generic fallback"
     )
