@@ -67,6 +67,8 @@ def build(args: argparse.Namespace) -> None:
 
 def _step_bytes(manifest: Any, nb: int) -> int:
     """DRAM bytes one step must read: every weight both phases use, once, and each sequence's cached K/V."""
+    from dflash_compiler.plans import dtype_bytes
+
     used = {
         b.value
         for p in manifest.phases.values()
@@ -74,14 +76,8 @@ def _step_bytes(manifest: Any, nb: int) -> int:
         for b in c.buffers
         if p.values[b.value].kind == "weight"
     }
-    weights = sum(math.prod(manifest.weights[w].shape) * _itemsize(manifest.weights[w].dtype) for w in used)
+    weights = sum(math.prod(manifest.weights[w].shape) * dtype_bytes(manifest.weights[w].dtype) for w in used)
     return weights + nb * (CACHED + NEW_ROWS) * manifest.roofline.kv_bytes_per_cached_row
-
-
-def _itemsize(dtype: str) -> int:
-    from dflash_compiler.plans import dtype_bytes
-
-    return dtype_bytes(dtype)
 
 
 def _fill(drafter: Any, nb: int, width: int, rng: np.random.Generator) -> None:

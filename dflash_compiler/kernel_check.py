@@ -23,13 +23,13 @@ import numpy as np
 
 from dflash_compiler.codegen import HostFunction
 from dflash_compiler.ir.graph import eval_dim
+from dflash_compiler.plans import dtype_bytes
 from dflash_compiler.runtime.cuda import CudaGraph, Device, EventTimer, Module, Stream
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import KernelSpec
 from dflash_compiler.schedules.check import max_relative_error, mismatches
 
 _FILES = ("kernels.cubin", "kernels.cu", "table.json", "specs.pkl", "cases.json")
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8, "float8_e4m3fn": 1, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def run_case(
     pointers = {name: device.upload(a) for name, a in arrays.items()}
     for ws in function.workspaces:
         count = int(np.prod([evaluate(d, sizes) for d in ws.shape]))
-        pointers[ws.name] = device.alloc(count * _DTYPE_BYTES.get(ws.dtype, 8))
+        pointers[ws.name] = device.alloc(count * dtype_bytes(ws.dtype))
     try:
 
         def launch_all(stream: object = 0) -> None:

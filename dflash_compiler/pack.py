@@ -10,21 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-
 from dflash_compiler.artifact import WEIGHTS, ArtifactError, Manifest, add_file, config_sha256, load_manifest
 from dflash_compiler.checkpoint import TensorToWrite, write_safetensors
 from dflash_compiler.config import load_drafter_config
 from dflash_compiler.ir.weights import WeightCache, WeightDecl
+from dflash_compiler.plans import numpy_dtype
 from dflash_compiler.sources import checkpoint_source
 
-# manifest dtype -> (numpy dtype, safetensors dtype name)
-_STORAGE = {
-    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
-    "float32": (np.dtype(np.float32), "F32"),
-    "float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), "F8_E4M3"),
-}
+# manifest dtype -> safetensors dtype name
+_STORAGE = {"bfloat16": "BF16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
 
 
 def pack_weights(artifact: Path, drafter_dir: Path, target_model: Path) -> Manifest:
@@ -41,7 +35,7 @@ def pack_weights(artifact: Path, drafter_dir: Path, target_model: Path) -> Manif
     for name, record in sorted(manifest.weights.items()):
         if record.dtype not in _STORAGE:
             raise ArtifactError(f"weight {name}: dtype {record.dtype} cannot be stored; known {sorted(_STORAGE)}")
-        dtype, stored = _STORAGE[record.dtype]
+        dtype, stored = numpy_dtype(record.dtype), _STORAGE[record.dtype]
         decl = WeightDecl.from_json(record.decl)
         tensors.append(TensorToWrite(name, record.shape, dtype, stored, make=lambda d=decl: cache.get(d)))
     return add_file(Path(artifact), WEIGHTS, lambda path: write_safetensors(path, tensors))

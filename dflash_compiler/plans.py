@@ -8,7 +8,10 @@ one-line ``summary()``, which the IR text dump prints for ``meta`` entries.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
+import ml_dtypes
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from dflash_compiler.errors import InputError
@@ -35,6 +38,12 @@ def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise KeyError(f"no element size known for dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
+
+
+def numpy_dtype(dtype: str) -> np.dtype[Any]:
+    """The host (numpy / ml_dtypes) dtype of a graph dtype; an unknown one is refused rather than guessed."""
+    dtype_bytes(dtype)
+    return np.dtype(getattr(ml_dtypes, dtype) if dtype in ("bfloat16", "float8_e4m3fn") else dtype)
 
 
 def human_bytes(n: int) -> str:

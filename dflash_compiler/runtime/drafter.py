@@ -17,18 +17,12 @@ import ml_dtypes
 import numpy as np
 
 from dflash_compiler.artifact import CUBIN, WEIGHTS, ArtifactError, Manifest, load_manifest, require_files
+from dflash_compiler.plans import numpy_dtype
 from dflash_compiler.runtime.cuda import Device, Module, Stream
 from dflash_compiler.runtime.device_array import DeviceArray, device_array
 from dflash_compiler.runtime.executor import PhaseExecutor
 from dflash_compiler.runtime.pages import PageAllocator, PagedSequences
 from dflash_compiler.runtime.steps import context_step, propose_step
-
-_HOST_DTYPES: dict[str, Any] = {
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-    "int32": np.int32,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-}
 
 
 @dataclass(frozen=True)
@@ -109,7 +103,7 @@ class Drafter(PagedSequences):
         for name in sorted(needed):
             record = self.manifest.weights[name]
             array = stored.get(name)
-            if tuple(array.shape) != tuple(record.shape) or array.dtype != np.dtype(_HOST_DTYPES[record.dtype]):
+            if tuple(array.shape) != tuple(record.shape) or array.dtype != numpy_dtype(record.dtype):
                 raise ArtifactError(
                     f"{self.path / WEIGHTS}: tensor {name} is {array.dtype}{list(array.shape)}, the manifest says "
                     f"{record.dtype}{list(record.shape)}. Fix: re-run pack-weights"

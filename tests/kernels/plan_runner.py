@@ -16,13 +16,7 @@ from dflash_compiler.ir.graph import Graph, eval_dim
 from dflash_compiler.ir.weights import WeightCache
 from dflash_compiler.kernel_plan import KernelPlan
 from dflash_compiler.launch_plan import phase_plan
-
-_NP = {
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-    "int32": np.int32,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-}
+from dflash_compiler.plans import numpy_dtype
 
 
 def run_plan_on_cpu(
@@ -46,13 +40,15 @@ def run_plan_on_cpu(
     for name, slot in launch.values.items():
         shape = tuple(eval_dim(d, dims) for d in slot.shape)
         if slot.kind == "input":
-            values[name] = np.ascontiguousarray(np.asarray(inputs[name]).astype(_NP[slot.dtype]))
+            values[name] = np.ascontiguousarray(np.asarray(inputs[name]).astype(numpy_dtype(slot.dtype)))
         elif slot.kind == "weight":
-            values[name] = np.ascontiguousarray(weights.get(graph.node(name).attr("decl")).astype(_NP[slot.dtype]))
+            values[name] = np.ascontiguousarray(
+                weights.get(graph.node(name).attr("decl")).astype(numpy_dtype(slot.dtype))
+            )
         elif slot.kind == "state":
             values[name] = state[name]
         elif slot.kind in ("scratch", "output"):
-            values[name] = np.zeros(shape, _NP[slot.dtype])
+            values[name] = np.zeros(shape, numpy_dtype(slot.dtype))
     dev = tvm.cpu()
     for call in plan.calls:
         kernel = plan.kernels[call.kernel]
