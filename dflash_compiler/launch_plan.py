@@ -74,10 +74,6 @@ class PhasePlan(_Frozen):
         return value
 
 
-def _name(ref: Ref) -> str:
-    return ref.render()
-
-
 def phase_plan(graph: Graph, plan: KernelPlan) -> PhasePlan:
     """The launch plan of an optimized, memory-planned phase graph and its kernel plan."""
     memory = graph.meta["memory"]
@@ -101,14 +97,16 @@ def phase_plan(graph: Graph, plan: KernelPlan) -> PhasePlan:
             elif node.op is Op.STATE:
                 kind = "state"
             elif node.op in (Op.KV_WRITE, Op.OUTPUT):
-                kind, alias = "alias", _name(args[0])
+                kind, alias = "alias", args[0].render()
                 if node.op is Op.OUTPUT:
-                    outputs.append((name, _name(args[0])))
+                    outputs.append((name, args[0].render()))
             elif ref in scratch:
                 kind, offset = "scratch", scratch[ref]
             else:
                 kind = "output"
-            values[_name(ref)] = ValueSlot(kind=kind, dtype=ttype.dtype, shape=ttype.shape, offset=offset, alias=alias)
+            values[ref.render()] = ValueSlot(
+                kind=kind, dtype=ttype.dtype, shape=ttype.shape, offset=offset, alias=alias
+            )
     calls = tuple(
         CallRecord(
             node=call.node,
