@@ -12,8 +12,9 @@ must move (weight + scale + x + y), GB/s, % of the device-to-device copy bandwid
 measured in the same run, and the largest error against the spec's numpy reference (a mismatch, judged by
 schedules/check.py, fails the run). Every timed launch reads another copy of the weight, with enough copies
 to exceed the L2 several times over, so the figure is a DRAM stream as in the model, where every layer's
-weight is distinct. `--sweep` adds knob variants of the big shapes (named `<kernel>__w<warps>r<row_tiles>
-u<unroll>m<m_tile>s<stages>`) to pick per-target defaults from.
+weight is distinct. `--dependent-launch` launches them as the drafter does (dependent_launch.py): each
+call's weight stream starts while the previous call drains. `--sweep` adds knob variants of the big shapes
+(named `<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>`) to pick per-target defaults from.
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ SWEEP_KNOBS = (
     (16, 1, 4, 16, 2), (4, 1, 8, 16, 2), (8, 2, 2, 16, 2), (16, 2, 2, 16, 1), (8, 1, 4, 16, 2),
     (8, 1, 2, 32, 2), (8, 1, 4, 32, 1), (8, 1, 2, 64, 1), (4, 1, 2, 64, 2), (16, 1, 2, 32, 2),
 )  # fmt: skip
-# --small: fewer registers per block for the small weights (qkv, o_proj), where 2 blocks per SM leave
-# the last wave of blocks partly empty
-SMALL_SHAPES = ("qkv", "o_proj")
-SMALL_KNOBS = ((2, 1, 4, 16, 2), (4, 1, 2, 16, 2), (4, 1, 4, 16, 1), (2, 1, 8, 16, 1), (2, 1, 4, 16, 1))
+# --small: variants for the weights that fill the H200 in less than one wave of the default blocks (qkv,
+# o_proj, ctx_kv) and the borderline ones, around the default (4, 1, 4, 16, 2): more warps per block split k
+# finer (more loads in flight at once), a shorter unroll shortens each warp's serial chain
+SMALL_SHAPES = ("qkv", "o_proj", "ctx_kv", "down", "gate_up", "fc")
+SMALL_KNOBS = (
+    (4, 1, 2, 16, 2), (4, 1, 1, 16, 2), (8, 1, 1, 16, 2), (8, 1, 2, 16, 2), (8, 1, 4, 16, 2), (16, 1, 1, 16, 2),
+    (16, 1, 2, 16, 2), (2, 1, 2, 16, 2), (2, 2, 2, 16, 2), (4, 2, 2, 16, 2), (8, 2, 1, 16, 2),
+)  # fmt: skip
 # Small and odd shapes: the mma path with ragged rows and short k, and the SIMT fallback (correctness only).
 ODD: tuple[tuple[str, str, int, int, str], ...] = (
     ("mma", "matmul", 8, 64, BF16),
@@ -191,7 +196,7 @@ def _time(record: Callable[[Any], None], launches: int, repeats: int) -> list[fl
 class Bench:
     """The GPU side: one loaded cubin, the copy bandwidth, and one group of entries per weight."""
 
-    def __init__(self, bundle: Path, repeats: int, log: Log) -> None:
+    def __init__(self, bundle: Path, repeats: int, log: Log, dependent_launch: bool) -> None:
         from cuda.bindings import driver as cu
 
         from dflash_compiler.codegen import HostFunction
@@ -204,14 +209,14 @@ class Bench:
         table = json.loads((bundle / "table.json").read_text())
         self.functions = {name: HostFunction.model_validate(fn) for name, fn in table["functions"].items()}
         self.device = Device()
-        self.module = Module((bundle / "kernels.cubin").read_bytes())
+        self.module = Module((bundle / "kernels.cubin").read_bytes(), dependent_launch=dependent_launch)
         attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
         self.l2 = int(check(cu.cuDeviceGetAttribute(attr, self.device.handle), "cuDeviceGetAttribute(L2)"))
         self.copy_bw = copy_bandwidth(self.device)
         self.repeats, self.log = repeats, log
         self.results: list[dict[str, Any]] = []
         log(f"device: {self.device.name} (cc {self.device.compute_capability}), L2 {self.l2 >> 20} MiB, "
-            f"cubin {table['arch']}")  # fmt: skip
+            f"cubin {table['arch']}, {'dependent' if dependent_launch else 'plain'} launches")  # fmt: skip
         log(f"copy bandwidth (D2D 1 GiB, read + write): {self.copy_bw / 1e9:.0f} GB/s")
         log(f"{'kernel':30s} {'m':>4s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'err':>8s}  knobs")
 
@@ -283,7 +288,7 @@ class Bench:
 def run(args: argparse.Namespace) -> int:
     log = Log(args.log)
     bundle = Path(args.bundle)
-    bench = Bench(bundle, args.repeats, log)
+    bench = Bench(bundle, args.repeats, log, args.dependent_launch)
     entries = json.loads((bundle / "entries.json").read_text())
     if args.only:
         entries = [e for e in entries if any(o in e["label"] for o in args.only)]
@@ -317,6 +322,9 @@ def main() -> int:
     r.add_argument("--only", nargs="*", default=(), help="substrings of the labels to run (default: all)")
     r.add_argument("--log", help="also write the table here")
     r.add_argument("--json", help="also write the results here as JSON")
+    r.add_argument(
+        "--dependent-launch", action="store_true", help="launch each kernel as a programmatic dependent of the last"
+    )
     args = parser.parse_args()
     if args.command == "build":
         build(args)

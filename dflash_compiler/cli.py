@@ -197,6 +197,9 @@ def compile(
     exclude: Exclude = None,
     kv_budget_bytes: KVBudget = None,
     weights: Annotated[bool, typer.Option(help="pack weights.safetensors when the checkpoints are given")] = True,
+    dependent_launch: Annotated[
+        bool, typer.Option(help="let each kernel start while the one before it drains (programmatic dependent launch)")
+    ] = False,
     force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
     dump_dir: DumpDir = None,
 ) -> None:
@@ -225,6 +228,7 @@ def compile(
             precision=precision,
             exclude=tuple(exclude or ()),
             kv_budget_bytes=kv_budget_bytes,
+            dependent_launch=dependent_launch,
         )
         chosen = get_target(target)
         console.print(f"compiling {drafter_dir} for [bold]{chosen.name}[/] ({chosen.description})")
@@ -296,13 +300,13 @@ def run(
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.errors import DFlashError
     from dflash_compiler.runtime.drafter import Drafter
-    from dflash_compiler.selfcheck import default_scenario, self_check
+    from dflash_compiler.selfcheck import as_compiled, default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
     try:
         cfg = load_drafter_config(drafter_dir)
-        tensor = checkpoint_source(cfg, drafter_dir, target_model)
         drafter = Drafter.load(artifact, use_graphs=graphs)
+        tensor = as_compiled(drafter.manifest.precision, checkpoint_source(cfg, drafter_dir, target_model))
         result = self_check(drafter, cfg, tensor, default_scenario(sequences, steps, seed))
     except InputError as error:
         raise _fail(error) from None

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from dflash_compiler.dependent_launch import add_dependent_launch
 from dflash_compiler.errors import DFlashError
 from dflash_compiler.runtime.expr import evaluate, expression_names
 
@@ -155,7 +156,7 @@ def lower_with_ir(mod: Any, target: Any) -> tuple[CudaModule, Any]:
     imports = executable.mod.imports
     if not imports:
         raise CodegenError("TVM produced no device module: the IRModule holds no kernel")
-    source = imports[0].inspect_source()
+    source = add_dependent_launch(imports[0].inspect_source())
     functions = _kernel_table(capture.mod)
     missing = [n for n in names if n not in functions]
     if missing:

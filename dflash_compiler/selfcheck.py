@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from dflash_compiler.compare import DraftComparison, compare_drafts
 from dflash_compiler.config import DrafterConfig
+from dflash_compiler.ir.weights import quantize_fp8_rows
+from dflash_compiler.plans import Choice, PrecisionMap
 from dflash_compiler.protocol import Scenario, ScenarioRun, run_scenario
 from dflash_compiler.reference import BatchedReference, ReferenceDrafter
 from dflash_compiler.tensors import expected_drafter_tensors
+
+Tensors = Callable[[str], np.ndarray]
 
 
 @dataclass
@@ -50,7 +54,33 @@ class _Timed:
         return out
 
 
-def reference_for(cfg: DrafterConfig, tensor: Callable[[str], np.ndarray]) -> BatchedReference:
+def as_compiled(precision: Mapping[str, PrecisionMap], tensor: Tensors) -> Tensors:
+    """The checkpoint tensors as a build with these precision maps (`Manifest.precision`) computes with them.
+
+    A tensor that every linear reading it keeps in FP8 comes back through its e4m3 rows and per-row scales
+    (`quantize_fp8_rows`, as pack-weights stores it; a fused weight's rows are quantized row by row, so
+    quantizing each source alone is the same). The reference run on these tensors is the reference of the
+    compiled drafter, and an FP8 build is held to the same near-tie rule as a bf16 one. A tensor read in
+    FP8 by one phase and in bf16 by another (precision `auto`) keeps its checkpoint values.
+    """
+    uses: dict[str, set[Choice]] = {}
+    for plan in precision.values():
+        for linear in plan.linears:
+            for name in linear.sources:
+                uses.setdefault(name, set()).add(linear.choice)
+    fp8 = {name for name, choices in uses.items() if choices == {Choice.FP8}}
+
+    def source(name: str) -> np.ndarray:
+        value = tensor(name)
+        if name not in fp8:
+            return value
+        rows, scale = quantize_fp8_rows(value)
+        return np.asarray(rows, np.float32) * scale[:, None]
+
+    return source
+
+
+def reference_for(cfg: DrafterConfig, tensor: Tensors) -> BatchedReference:
     weights = {name: tensor(name) for name in expected_drafter_tensors(cfg)}
     ref = ReferenceDrafter(cfg, weights, tensor("target.embed_tokens"), tensor("target.lm_head"))
     return BatchedReference(ref)
@@ -66,7 +96,7 @@ def default_scenario(sequences: int = 4, steps: int = 20, seed: int = 0) -> Scen
 def self_check(
     drafter: object,
     cfg: DrafterConfig,
-    tensor: Callable[[str], np.ndarray],
+    tensor: Tensors,
     scenario: Scenario,
     reference: ScenarioRun | None = None,
 ) -> SelfCheck:

@@ -24,6 +24,10 @@ of x rows) read a clamped, valid row instead: an mma's output row i depends only
 column j only on B column j, and those outputs are never stored. FP8 weights are converted to bf16 in
 registers (every e4m3 value is exact in bf16).
 
+Before it reads `x`, every thread prefetches its first `stages · unroll` weight vectors into L2 and then
+waits for the grid that wrote `x` (programmatic dependent launch, dependent_launch.py), so under a
+dependent launch the weight stream starts while the previous kernel drains.
+
 The kernel is written as TVMScript with explicit thread bindings and `T.ptx_legacy.mma`; TVM generates the
 CUDA. It is not derived from the spec's TE computation (that stays the CPU oracle); it is checked against
 the spec's numpy reference on the GPU (bench/linear.py).
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
 
 if TYPE_CHECKING:
     from .linear import LinearSpec
@@ -91,6 +97,7 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
     outputs = m_tile * block_rows
     out_rounds = -(-outputs // threads)
     frag_a = row_tiles * mmas_per_step * 8
+    prefetch_steps = min(stages * unroll, steps_per_warp)
     symbol = spec.name
 
     @T.macro
@@ -211,6 +218,16 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
                         bf = T.sblock_alloc_buffer((m_groups * vec,), "bfloat16", scope="local")
                         acc = T.sblock_alloc_buffer((row_tiles, m_groups, 4), "float32", scope="local")
                         total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        # weights are never written by a kernel: fetch the first batches into L2 before
+                        # waiting for the grid that writes x (dependent_launch.py)
+                        for u in T.unroll(prefetch_steps):
+                            for rt in T.unroll(row_tiles):
+                                for h in T.unroll(2):
+                                    T.evaluate(T.call_extern("void", PREFETCH_L2, T.address_of(w[
+                                        T.min(bx * block_rows + rt * 16 + h * 8 + tx // 4, n - 1),
+                                        (ty * steps_per_warp + u) * step_k + tx % 4 * vec,
+                                    ])))  # fmt: skip
+                        T.evaluate(T.call_extern("void", WAIT))
                         for mc in range(T.ceildiv(m, m_tile)):
                             chunk(x, w, scale, y, m, bx, ty, tx, mc, red, wl, xl, af, bf, acc, total)
 

@@ -146,9 +146,15 @@ class EventTimer:
 
 
 class Module:
-    """A cubin loaded into the current context; launches kernels described by the kernel table."""
+    """A cubin loaded into the current context; launches kernels described by the kernel table.
 
-    def __init__(self, cubin: bytes) -> None:
+    With `dependent_launch`, every launch carries the programmatic-stream-serialization attribute: the
+    kernel may start before the previous kernel on the stream has finished, which is safe only for kernels
+    that wait for their inputs (`dflash_compiler.dependent_launch`; every kernel the compiler emits does).
+    """
+
+    def __init__(self, cubin: bytes, dependent_launch: bool = False) -> None:
+        self.dependent_launch = dependent_launch
         self._image = np.frombuffer(cubin, np.uint8).copy()  # the driver reads it during load only; keep it anyway
         self.handle = check(_driver().cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self._functions: dict[str, Any] = {}
@@ -183,10 +189,26 @@ class Module:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(func, attr, smem), f"cuFuncSetAttribute({launch.name}, {smem} B)")
             self._smem_raised[launch.name] = smem
-        check(
-            cu.cuLaunchKernel(func, *grid, *block, smem, stream, ctypes.addressof(argv), 0),
-            f"cuLaunchKernel({launch.name}, grid {grid}, block {block}, smem {smem})",
-        )
+        what = f"launch of {launch.name} (grid {grid}, block {block}, smem {smem})"
+        if not self.dependent_launch:
+            check(cu.cuLaunchKernel(func, *grid, *block, smem, stream, ctypes.addressof(argv), 0), what)
+            return
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = smem
+        config.hStream = stream
+        config.attrs = [self._dependent_attribute()]
+        config.numAttrs = 1
+        check(cu.cuLaunchKernelEx(config, func, ctypes.addressof(argv), 0), what)
+
+    @staticmethod
+    def _dependent_attribute() -> Any:
+        cu = _driver()
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        return attr
 
 
 class Stream:

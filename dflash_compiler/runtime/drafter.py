@@ -50,7 +50,7 @@ class Drafter(PagedSequences):
         external_weights: Mapping[str, int] | None = None,
     ) -> None:
         self.path, self.manifest, self.device, self.use_graphs = path, manifest, device, use_graphs
-        self.module = Module((path / CUBIN).read_bytes())
+        self.module = Module((path / CUBIN).read_bytes(), dependent_launch=manifest.options.dependent_launch)
         self.stream = Stream()
         self._owned: list[int] = []
         self.weights = self._upload_weights(dict(external_weights or {}))

@@ -43,7 +43,7 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.pack import pack_weights
     from dflash_compiler.runtime.drafter import Drafter
-    from dflash_compiler.selfcheck import default_scenario, self_check
+    from dflash_compiler.selfcheck import as_compiled, default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
     artifact = tmp_path / Path(artifact_dir).name
@@ -53,7 +53,8 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     write_example(example, ckpt, seed=SEED)
     pack_weights(artifact, ckpt / "drafter", ckpt / "target")
     cfg = load_drafter_config(ckpt / "drafter")
-    tensor = checkpoint_source(cfg, ckpt / "drafter", ckpt / "target")
+    # an FP8 build is checked against the reference of its own (quantized) weights
+    tensor = as_compiled(load_manifest(artifact).precision, checkpoint_source(cfg, ckpt / "drafter", ckpt / "target"))
     scenario = default_scenario(sequences=4, steps=20, seed=SEED)
 
     graphed = Drafter.load(artifact, use_graphs=True)
@@ -91,15 +92,17 @@ def test_target_tensors_are_borrowed_zero_copy(artifact_dir, tmp_path):
     cfg = load_drafter_config(ckpt / "drafter")
     scenario = default_scenario(sequences=2, steps=6, seed=SEED)
     stored = WeightSet(artifact / WEIGHTS)
-    borrowed = {
-        name: torch.from_numpy(stored.get(name).view(np.int16)).view(torch.bfloat16).cuda()
-        for name in ("target.embed_tokens", "target.lm_head")
-    }
+    manifest = load_manifest(artifact, require=())
+    # An FP8 build stores lm_head quantized (`target.lm_head.e4m3` + scales): only bf16 tensors are borrowable.
+    shared = [n for n in ("target.embed_tokens", "target.lm_head") if n in manifest.weights]
+    assert shared and all(manifest.weights[n].dtype == "bfloat16" for n in shared)
+    borrowed = {name: torch.from_numpy(stored.get(name).view(np.int16)).view(torch.bfloat16).cuda() for name in shared}
     own = Drafter.load(artifact)
     want = run_scenario(own, cfg, scenario)
     own.close()
     other = Drafter.load(artifact, external_weights=borrowed, device=own.device)
-    assert other.weights["target.lm_head"] == borrowed["target.lm_head"].data_ptr()
+    for name, tensor in borrowed.items():
+        assert other.weights[name] == tensor.data_ptr()
     got = run_scenario(other, cfg, scenario)
     other.close()
     for a, b in zip(want.records, got.records, strict=True):

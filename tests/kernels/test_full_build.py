@@ -41,6 +41,7 @@ def programs():
 @pytest.mark.parametrize("example", list_examples())
 def test_example_builds_for_target(programs, example, target):
     from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
+    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
     from dflash_compiler.kernel_build import build_kernels
 
     program = programs(example)
@@ -52,6 +53,12 @@ def test_example_builds_for_target(programs, example, target):
     static = static_shared_bytes(build.cubin)
     launched = {k.name for fn in build.cuda.functions.values() for k in fn.kernels}
     assert launched <= set(kernel_names(build.cubin)), "every kernel of the table is in the cubin"
+    bodies = kernel_bodies(build.cuda.source)
+    for name in launched:  # safe to launch as a programmatic dependent (dependent_launch.py)
+        body = build.cuda.source[slice(*bodies[name])]
+        assert body.count(f"{WAIT}();") == 1, name
+        first = body.lstrip().startswith(f"{WAIT}();")
+        assert first or body.index(f"{PREFETCH_L2}(") < body.index(f"{WAIT}();"), name  # the GEMV prefetches first
     for phase, plan in build.plans.items():
         maxima = dict(program.phases[phase].meta["memory"].bindings)
         for call in plan.calls:

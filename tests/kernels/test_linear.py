@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
 from dflash_compiler.schedules.linear import (
@@ -183,6 +184,11 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
     assert launch.dynamic_smem == "0"
     assert MMA_BF16 in cuda.source
     assert {p.source for p in launch.params} == {"x", "w", "y", "m"}
+    # under a dependent launch only weights may be touched before the wait: x and y come from other kernels
+    start, end = kernel_bodies(cuda.source)[launch.name]
+    body = cuda.source[start:end]
+    wait = body.index(f"{WAIT}();")
+    assert body.index(f"{PREFETCH_L2}(") < wait < min(body.index("(x_ptr + "), body.index("y_ptr["))
 
 
 def test_fp8_kernel_has_its_own_defaults_and_scales():

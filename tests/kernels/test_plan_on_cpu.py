@@ -106,25 +106,32 @@ def test_kernel_plans_match_the_interpreter(name):
         np.testing.assert_allclose(conf[same_walk], want.confidences[same_walk], atol=0.05)
 
 
-@pytest.mark.parametrize("name", TINY)
-def test_kernel_plans_reproduce_the_reference_over_a_scenario(name, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "precision"), [(name, "bf16") for name in TINY] + [("tiny-dflash", "fp8"), ("tiny-dspark", "fp8")]
+)
+def test_kernel_plans_reproduce_the_reference_over_a_scenario(name, precision, tmp_path):
     """The GPU test's scenario (4 sequences, 20 steps, rollback, free and reuse) with the kernel plans run on
-    the CPU: every clear decision equals the f32 reference's (compare.py's near-tie rule)."""
+    the CPU: every clear decision equals the f32 reference's (compare.py's near-tie rule); an FP8 build's
+    reference computes with the same quantized weights (`as_compiled`)."""
     from plan_runner import PlanDrafter
 
     from dflash_compiler.checkpoint import write_example
     from dflash_compiler.kernel_build import schedule_program
+    from dflash_compiler.options import Precision
     from dflash_compiler.pipeline import optimize
-    from dflash_compiler.selfcheck import default_scenario, self_check
+    from dflash_compiler.selfcheck import as_compiled, default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
     write_example(name, tmp_path, seed=0)
     cfg = load_drafter_config(tmp_path / "drafter")
     tensor = checkpoint_source(cfg, tmp_path / "drafter", tmp_path / "target")
-    program = optimize(cfg, BuildOptions(max_batch=4, max_seq_len=512, max_ctx_rows=64))
+    options = BuildOptions(max_batch=4, max_seq_len=512, max_ctx_rows=64, precision=Precision(precision))
+    program = optimize(cfg, options)
     plans, _ = schedule_program(program, SM90)
     drafter = PlanDrafter(program, plans, tensor, num_pages=133, max_seq_len=512)
-    result = self_check(drafter, cfg, tensor, default_scenario(sequences=4, steps=20, seed=0))
+    precision_maps = {phase: graph.meta["precision"] for phase, graph in program.phases.items()}
+    reference = as_compiled(precision_maps, tensor)
+    result = self_check(drafter, cfg, reference, default_scenario(sequences=4, steps=20, seed=0))
     print(f"\n{name}: {result.comparison.summary()}")
     assert result.comparison.ok, "\n".join(result.comparison.mismatches[:10])
     assert result.comparison.compared >= 50, "too few clear decisions for the check to mean much"
