@@ -314,7 +314,7 @@ def main() -> int:
     b = sub.add_parser("build", help="build box: schedule + compile the linear kernels")
     b.add_argument("--target", default="sm_90")
     b.add_argument("--sweep", action="store_true", help="add knob variants of the big shapes")
-    b.add_argument("--small", action="store_true", help="add low-register variants of qkv and o_proj")
+    b.add_argument("--small", action="store_true", help="add warps/unroll variants of the block-row layers")
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
     r.add_argument("bundle")

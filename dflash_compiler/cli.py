@@ -300,14 +300,15 @@ def run(
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.errors import DFlashError
     from dflash_compiler.runtime.drafter import Drafter
-    from dflash_compiler.selfcheck import as_compiled, default_scenario, self_check
+    from dflash_compiler.selfcheck import default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
     try:
         cfg = load_drafter_config(drafter_dir)
         drafter = Drafter.load(artifact, use_graphs=graphs)
-        tensor = as_compiled(drafter.manifest.precision, checkpoint_source(cfg, drafter_dir, target_model))
-        result = self_check(drafter, cfg, tensor, default_scenario(sequences, steps, seed))
+        tensor = checkpoint_source(cfg, drafter_dir, target_model)
+        scenario = default_scenario(sequences, steps, seed)
+        result = self_check(drafter, cfg, tensor, scenario, drafter.manifest.precision)
     except InputError as error:
         raise _fail(error) from None
     except DFlashError as error:

@@ -54,7 +54,7 @@ class _Timed:
         return out
 
 
-def as_compiled(precision: Mapping[str, PrecisionMap], tensor: Tensors) -> Tensors:
+def _as_compiled(precision: Mapping[str, PrecisionMap], tensor: Tensors) -> Tensors:
     """The checkpoint tensors as a build with these precision maps (`Manifest.precision`) computes with them.
 
     A tensor that every linear reading it keeps in FP8 comes back through its e4m3 rows and per-row scales
@@ -98,9 +98,15 @@ def self_check(
     cfg: DrafterConfig,
     tensor: Tensors,
     scenario: Scenario,
+    precision: Mapping[str, PrecisionMap],
     reference: ScenarioRun | None = None,
 ) -> SelfCheck:
+    """Run `drafter` and the reference of the build through `scenario` and compare their drafts.
+
+    `tensor` gives the checkpoint tensors and `precision` the build's precision maps (`Manifest.precision`):
+    the reference computes with the weights as the build quantized them (`_as_compiled`).
+    """
     timed = _Timed(drafter)
     got = run_scenario(timed, cfg, scenario)
-    ref = reference or run_scenario(reference_for(cfg, tensor), cfg, scenario)
+    ref = reference or run_scenario(reference_for(cfg, _as_compiled(precision, tensor)), cfg, scenario)
     return SelfCheck(compare_drafts(cfg.family, ref.records, got.records), got, timed.propose_ms[1:])

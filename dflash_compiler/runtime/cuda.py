@@ -155,6 +155,7 @@ class Module:
 
     def __init__(self, cubin: bytes, dependent_launch: bool = False) -> None:
         self.dependent_launch = dependent_launch
+        self._launch_attrs = [_dependent_attribute()] if dependent_launch else []
         self._image = np.frombuffer(cubin, np.uint8).copy()  # the driver reads it during load only; keep it anyway
         self.handle = check(_driver().cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self._functions: dict[str, Any] = {}
@@ -198,17 +199,18 @@ class Module:
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = smem
         config.hStream = stream
-        config.attrs = [self._dependent_attribute()]
-        config.numAttrs = 1
+        config.attrs = self._launch_attrs
+        config.numAttrs = len(self._launch_attrs)
         check(cu.cuLaunchKernelEx(config, func, ctypes.addressof(argv), 0), what)
 
-    @staticmethod
-    def _dependent_attribute() -> Any:
-        cu = _driver()
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        return attr
+
+def _dependent_attribute() -> Any:
+    """The launch attribute that lets a kernel start before the previous one on its stream has finished."""
+    cu = _driver()
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
 
 
 class Stream:

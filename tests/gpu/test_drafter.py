@@ -42,8 +42,9 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     from dflash_compiler.checkpoint import write_example
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.pack import pack_weights
+    from dflash_compiler.protocol import run_scenario
     from dflash_compiler.runtime.drafter import Drafter
-    from dflash_compiler.selfcheck import as_compiled, default_scenario, self_check
+    from dflash_compiler.selfcheck import default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
     artifact = tmp_path / Path(artifact_dir).name
@@ -53,12 +54,12 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     write_example(example, ckpt, seed=SEED)
     pack_weights(artifact, ckpt / "drafter", ckpt / "target")
     cfg = load_drafter_config(ckpt / "drafter")
-    # an FP8 build is checked against the reference of its own (quantized) weights
-    tensor = as_compiled(load_manifest(artifact).precision, checkpoint_source(cfg, ckpt / "drafter", ckpt / "target"))
+    tensor = checkpoint_source(cfg, ckpt / "drafter", ckpt / "target")
     scenario = default_scenario(sequences=4, steps=20, seed=SEED)
 
     graphed = Drafter.load(artifact, use_graphs=True)
-    first = self_check(graphed, cfg, tensor, scenario)
+    # an FP8 build is checked against the reference of its own (quantized) weights
+    first = self_check(graphed, cfg, tensor, scenario, graphed.manifest.precision)
     graphed.close()
     print(f"\n{artifact.name}: {first.comparison.summary()}; propose median {first.median_propose_ms:.3f} ms")
     assert first.comparison.ok, "\n".join(first.comparison.mismatches[:20])
@@ -66,9 +67,9 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     assert first.comparison.compared >= 50, f"only {first.comparison.compared} of {decisions} decisions are clear"
 
     plain = Drafter.load(artifact, use_graphs=False, device=graphed.device)
-    second = self_check(plain, cfg, tensor, scenario)
+    second = run_scenario(plain, cfg, scenario)  # compared with the graph run, not the reference again
     plain.close()
-    for a, b in zip(first.run.records, second.run.records, strict=True):
+    for a, b in zip(first.run.records, second.records, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"graph vs plain, step {a.step}")
 
 
@@ -87,12 +88,12 @@ def test_target_tensors_are_borrowed_zero_copy(artifact_dir, tmp_path):
     artifact = tmp_path / Path(artifact_dir).name
     shutil.copytree(artifact_dir, artifact)
     ckpt = tmp_path / "ckpt"
-    write_example(_example_of(load_manifest(artifact, require=())), ckpt, seed=SEED)
+    manifest = load_manifest(artifact, require=())
+    write_example(_example_of(manifest), ckpt, seed=SEED)
     pack_weights(artifact, ckpt / "drafter", ckpt / "target")
     cfg = load_drafter_config(ckpt / "drafter")
     scenario = default_scenario(sequences=2, steps=6, seed=SEED)
     stored = WeightSet(artifact / WEIGHTS)
-    manifest = load_manifest(artifact, require=())
     # An FP8 build stores lm_head quantized (`target.lm_head.e4m3` + scales): only bf16 tensors are borrowable.
     shared = [n for n in ("target.embed_tokens", "target.lm_head") if n in manifest.weights]
     assert shared and all(manifest.weights[n].dtype == "bfloat16" for n in shared)

@@ -119,7 +119,7 @@ def test_kernel_plans_reproduce_the_reference_over_a_scenario(name, precision, t
     from dflash_compiler.kernel_build import schedule_program
     from dflash_compiler.options import Precision
     from dflash_compiler.pipeline import optimize
-    from dflash_compiler.selfcheck import as_compiled, default_scenario, self_check
+    from dflash_compiler.selfcheck import default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
     write_example(name, tmp_path, seed=0)
@@ -130,8 +130,7 @@ def test_kernel_plans_reproduce_the_reference_over_a_scenario(name, precision, t
     plans, _ = schedule_program(program, SM90)
     drafter = PlanDrafter(program, plans, tensor, num_pages=133, max_seq_len=512)
     precision_maps = {phase: graph.meta["precision"] for phase, graph in program.phases.items()}
-    reference = as_compiled(precision_maps, tensor)
-    result = self_check(drafter, cfg, reference, default_scenario(sequences=4, steps=20, seed=0))
+    result = self_check(drafter, cfg, tensor, default_scenario(sequences=4, steps=20, seed=0), precision_maps)
     print(f"\n{name}: {result.comparison.summary()}")
     assert result.comparison.ok, "\n".join(result.comparison.mismatches[:10])
     assert result.comparison.compared >= 50, "too few clear decisions for the check to mean much"
