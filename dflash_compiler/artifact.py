@@ -207,10 +207,12 @@ def _replace(staged: Path, out_dir: Path) -> None:
         staged.rename(out_dir)
 
 
-def load_manifest(artifact: Path, require: tuple[str, ...] = (CUBIN,)) -> Manifest:
+def load_manifest(artifact: Path, require: tuple[str, ...] = (CUBIN,), unread: tuple[str, ...] = ()) -> Manifest:
     """The verified manifest of `artifact`: schema, digest, and the hash of every recorded file.
 
-    `require` names files that must be present (the runtime needs the cubin and the weights).
+    `require` names files that must be present (the runtime needs the cubin and the weights). `unread`
+    names recorded files the caller will not read, whose hashes are not checked (a drafter given every
+    weight by the serving engine never opens the weights file: hashing gigabytes would be its whole load).
     """
     artifact = Path(artifact)
     path = artifact / MANIFEST
@@ -234,10 +236,16 @@ def load_manifest(artifact: Path, require: tuple[str, ...] = (CUBIN,)) -> Manife
         raise ArtifactError(
             f"{path}: its digest does not match its content (the manifest was edited). Fix: rebuild the artifact"
         )
-    for name, record in sorted(manifest.files.items()):
-        _check_file(artifact, name, record)
+    verify_files(artifact, manifest, tuple(name for name in sorted(manifest.files) if name not in unread))
     require_files(artifact, manifest, require)
     return manifest
+
+
+def verify_files(artifact: Path, manifest: Manifest, names: tuple[str, ...]) -> None:
+    """Check the size and hash of each of `names` the manifest records."""
+    for name in names:
+        if name in manifest.files:
+            _check_file(Path(artifact), name, manifest.files[name])
 
 
 def require_files(artifact: Path, manifest: Manifest, names: tuple[str, ...]) -> None:

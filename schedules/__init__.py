@@ -5,6 +5,7 @@ Importing this package does not import TVM; a rule imports it when it builds a k
 
 from .argmax import ArgmaxRule
 from .attention import AttentionRule
+from .attention_mma import AttentionMmaRule
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, Rule, ScheduleError, apply_rules
 from .dflash2 import DFlash2Rule
 from .dspark import DSparkRule
@@ -15,12 +16,13 @@ from .kv_write import KVWriteRule
 from .linear import LinearGemvRule, LinearMmaRule
 from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
 
-# Tried in order by `apply_rules`. Families do not overlap except the linears: the tensor-core rule takes
-# the shapes it can tile, and the SIMT GEMV (correct for any shape) takes the rest.
+# Tried in order by `apply_rules`. Families do not overlap except the linears and the attention: the
+# tensor-core rule takes the shapes it can tile, and the SIMT kernel (correct for any shape) takes the rest.
 RULES: tuple[Rule, ...] = (
     RMSNormRule(),
     LinearMmaRule(),
     LinearGemvRule(),
+    AttentionMmaRule(),
     AttentionRule(),
     KVWriteRule(),
     HeadNormRopeRule(),
@@ -34,6 +36,7 @@ RULES: tuple[Rule, ...] = (
 __all__ = [
     "RULES",
     "ArgmaxRule",
+    "AttentionMmaRule",
     "AttentionRule",
     "DFlash2Rule",
     "DSparkRule",

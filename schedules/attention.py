@@ -190,7 +190,6 @@ class _Tiles:
     pv_rows: int  # query rows per thread in the P·V tile
     padded_rows: int  # rows of the score / statistics buffers
     load_vector: int  # bf16 elements per global load
-    merge_threads: int
 
     def shared_bytes(self, spec: BlockAttentionSpec, layout: AttentionLayout) -> int:
         d, c = spec.head_dim, layout.chunk
@@ -216,7 +215,6 @@ def tiles(spec: BlockAttentionSpec, layout: AttentionLayout) -> _Tiles:
     vector = 8
     while d % vector:
         vector //= 2
-    merge = min(nt, max(32, -(-spec.heads * d // 4 // 32) * 32))
     return _Tiles(
         rows=rows,
         score_cols=score_cols,
@@ -228,7 +226,6 @@ def tiles(spec: BlockAttentionSpec, layout: AttentionLayout) -> _Tiles:
         pv_rows=pv_rows,
         padded_rows=max(q_rows, nt // pv_cols * pv_rows),
         load_vector=vector,
-        merge_threads=merge,
     )
 
 
@@ -290,6 +287,110 @@ def fit_layout(
     )
 
 
+# ------------------------------------------------------------------------ pieces both kernels share
+
+
+def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int) -> Any:
+    """`split_span(span, s, n, blk_positions)`: span[0] = the first key any query of sequence s can see (a
+    window hides older cached rows), span[1] = keys per split: the rest of the keys in `splits` equal spans,
+    multiples of `chunk`. The split kernels and the merge must agree on it."""
+    from tvm.script import tirx as T
+
+    blk, window = spec.block, spec.window
+
+    @T.macro
+    def split_span(span: Any, s: Any, n: Any, blk_positions: Any) -> None:
+        span[0] = 0
+        if window is not None:
+            span[0] = blk_positions[s * blk]
+            for i in T.serial(1, blk):
+                span[0] = T.min(span[0], blk_positions[s * blk + i])
+            span[0] = T.max(0, T.min(n, span[0] - window + 1))
+        span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], splits), chunk) * chunk
+
+    return split_span
+
+
+def merge_blocking(spec: BlockAttentionSpec) -> tuple[int, int]:
+    """(heads per thread block, threads) of the merge kernel: one thread per float4 of a head's row, about
+    128 threads per block."""
+    vecs = spec.head_dim // 4
+    per_block = max(h for h in range(1, spec.heads + 1) if spec.heads % h == 0 and h * vecs <= max(128, vecs))
+    return per_block, per_block * vecs
+
+
+def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool) -> Any:
+    """`merge(part_o, part_ml, cache_lens, blk_positions, out, nb)`: the second kernel, merging the splits'
+    unnormalised outputs `part_o[nb, kv_heads, splits, rows, dim]` with their log-sum-exp weights from
+    `part_ml[..., (max, sum)]` (base 2) and writing bf16 `out`.
+
+    One thread per float4 of a (block row, head): a thread block covers a few heads of one block row, so a
+    step of one sequence has hundreds of blocks. The loop over splits is unrolled by up to 16 with a guard
+    per split, so the loads of all used splits are in flight together instead of one latency each."""
+    from tvm.script import tirx as T
+
+    blk, heads, dim, group = spec.block, spec.heads, spec.head_dim, spec.group
+    vecs = dim // 4
+    per_block, mt = merge_blocking(spec)
+    unroll = min(splits, 16)
+    passes = -(-splits // unroll)
+    local = "local" if device else "global"
+    split_span = split_span_macro(spec, splits, chunk)
+
+    def grid(n: Any, tag: str) -> Any:
+        return T.thread_binding(n, thread=tag) if device else T.serial(n)
+
+    def lanes(n: int) -> Any:
+        return T.thread_binding(n, thread="threadIdx.x") if device else T.serial(n)
+
+    @T.macro
+    def merge(part_o: Any, part_ml: Any, cache_lens: Any, blk_positions: Any, out: Any, nb: Any) -> None:
+        for s in grid(nb, "blockIdx.z"):
+            for i in grid(blk, "blockIdx.y"):
+                for hb in grid(heads // per_block, "blockIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        used = T.sblock_alloc_buffer((2,), "int32", scope=local)
+                        mstat = T.sblock_alloc_buffer((mt, 3), "float32", scope=local)  # max, sum, weight
+                        macc = T.sblock_alloc_buffer((mt, 4), "float32", scope=local)
+                        # only the first ceil(keys / span) splits saw keys
+                        split_span(used, s, cache_lens[s], blk_positions)
+                        used[0] = T.ceildiv(cache_lens[s] + blk - used[0], used[1])
+                        for t in lanes(mt):
+                            hd = T.meta_var(hb * per_block + t // vecs)
+                            r = T.meta_var(i * group + hd % group)
+                            d0 = T.meta_var(t % vecs * 4)
+                            mstat[t, 0] = T.float32(_NEG)
+                            for sp0 in T.serial(passes):
+                                for u in T.unroll(unroll):
+                                    sp = T.meta_var(sp0 * unroll + u)
+                                    if sp < used[0]:
+                                        mstat[t, 0] = T.max(mstat[t, 0], part_ml[s, hd // group, sp, r, 0])
+                            mstat[t, 1] = T.float32(0)
+                            for x in T.unroll(4):
+                                macc[t, x] = T.float32(0)
+                            for sp0 in T.serial(passes):
+                                for u in T.unroll(unroll):
+                                    sp = T.meta_var(sp0 * unroll + u)
+                                    if sp < used[0]:
+                                        kvh = T.meta_var(hd // group)
+                                        mstat[t, 2] = T.exp2(part_ml[s, kvh, sp, r, 0] - mstat[t, 0])
+                                        mstat[t, 1] = mstat[t, 1] + mstat[t, 2] * part_ml[s, kvh, sp, r, 1]
+                                        # scalar loads: a float4 access would retype the workspace
+                                        for x in T.unroll(4):
+                                            macc[t, x] = (
+                                                macc[t, x] + mstat[t, 2] * part_o[s, hd // group, sp, r, d0 + x]
+                                            )
+                            mstat[t, 2] = T.if_then_else(
+                                mstat[t, 1] > T.float32(0), T.float32(1) / mstat[t, 1], T.float32(0)
+                            )
+                            for x in T.unroll(4):
+                                out[s * blk + i, hd * dim + d0 + x] = T.Cast(DTYPE, macc[t, x] * mstat[t, 2])
+
+    return merge
+
+
 # ------------------------------------------------------------------------------------------- kernel
 
 
@@ -314,7 +415,7 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
 
     tl = tiles(spec, layout)
     blk, heads, hkv, dim, page, group = spec.block, spec.heads, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
-    nt, chunk, splits, mt = layout.threads, layout.chunk, layout.splits, tl.merge_threads
+    nt, chunk, splits = layout.threads, layout.chunk, layout.splits
     rows, sr, sc, qr, pr, pc, rp = (
         tl.rows,
         tl.score_rows,
@@ -334,11 +435,12 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
     kv_dtype = "float32" if layout.kv_f32 else DTYPE
     q_pitch, k_pitch, s_pitch = dim + _pad(layout.q_f32), dim + _pad(layout.kv_f32), chunk + 1
     q_scale = math.log2(math.e) / math.sqrt(dim)  # softmax in base 2: exp(x / sqrt(d)) = exp2(x * q_scale)
-    window = spec.window
-    masked = spec.causal or window is not None  # positions matter (else only a key's existence does)
+    masked = spec.causal or spec.window is not None  # positions matter (else only a key's existence does)
     shared = "shared.dyn" if device else "global"
     local = "local" if device else "global"
-    q_loads, kv_loads, out_vecs = qr * (dim // lv), chunk * (dim // lv), heads * dim // 4
+    q_loads, kv_loads = qr * (dim // lv), chunk * (dim // lv)
+    split_span = split_span_macro(spec, splits, chunk)
+    merge = merge_macro(spec, splits, chunk, device)
 
     def grid(n: Any, tag: str) -> Any:
         return T.thread_binding(n, thread=tag) if device else T.serial(n)
@@ -351,18 +453,6 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
 
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
-
-    @T.macro
-    def split_span(span: Any, s: Any, n: Any, blk_positions: Any) -> None:
-        """span[0] = the first key any query of sequence s can see (a window hides older cached rows),
-        span[1] = keys per split: the rest of the keys in `splits` equal spans, multiples of `chunk`."""
-        span[0] = 0
-        if window is not None:
-            span[0] = blk_positions[s * blk]
-            for i in T.serial(1, blk):
-                span[0] = T.min(span[0], blk_positions[s * blk + i])
-            span[0] = T.max(0, T.min(n, span[0] - window + 1))
-        span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], splits), chunk) * chunk
 
     @T.macro
     def fetch_kv(
@@ -629,59 +719,21 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
                                     part_ml[s, g, p, rr * nt + t, 0] = m_run[t, rr]
                                     part_ml[s, g, p, rr * nt + t, 1] = l_run[t, rr]
 
-        for s in grid(nb, "blockIdx.y"):
-            for i in grid(blk, "blockIdx.x"):
-                with T.sblock("merge"):
-                    T.reads()
-                    T.writes()
-                    weight = T.sblock_alloc_buffer((heads, splits), "float32", scope=shared)
-                    scale = T.sblock_alloc_buffer((heads,), "float32", scope=shared)
-                    used = T.sblock_alloc_buffer((2,), "int32", scope=local)
-                    mstat = T.sblock_alloc_buffer((mt, 3), "float32", scope=local)
-                    macc = T.sblock_alloc_buffer((mt, 4), "float32", scope=local)
-                    # Only the first ceil(keys / span) splits saw keys; the loops below run over those alone
-                    # and load unconditionally, so the loads of consecutive splits overlap.
-                    split_span(used, s, cache_lens[s], blk_positions)
-                    used[0] = T.ceildiv(cache_lens[s] + blk - used[0], used[1])
-                    # per head: weights exp2(m_p - M) and 1 / sum_p l_p exp2(m_p - M)
-                    for t in lanes(mt):
-                        for jj in T.serial(cdiv(heads, mt)):
-                            if jj * mt + t < heads:
-                                hd = T.meta_var(jj * mt + t)
-                                r = T.meta_var(i * group + hd % group)
-                                mstat[t, 0] = T.float32(_NEG)
-                                for sp in T.serial(used[0]):
-                                    mstat[t, 0] = T.max(mstat[t, 0], part_ml[s, hd // group, sp, r, 0])
-                                mstat[t, 1] = T.float32(0)
-                                for sp in T.serial(used[0]):
-                                    mstat[t, 2] = T.exp2(part_ml[s, hd // group, sp, r, 0] - mstat[t, 0])
-                                    weight[hd, sp] = mstat[t, 2]
-                                    mstat[t, 1] = mstat[t, 1] + mstat[t, 2] * part_ml[s, hd // group, sp, r, 1]
-                                scale[hd] = T.if_then_else(
-                                    mstat[t, 1] > T.float32(0), T.float32(1) / mstat[t, 1], T.float32(0)
-                                )
-                    for t in lanes(mt):
-                        for it in T.serial(cdiv(out_vecs, mt)):
-                            idx = T.meta_var(it * mt + t)
-                            hd = T.meta_var(idx // (dim // 4))
-                            d0 = T.meta_var(idx % (dim // 4) * 4)
-                            if idx < out_vecs:
-                                for x in T.unroll(4):
-                                    macc[t, x] = T.float32(0)
-                                for sp in T.serial(used[0]):
-                                    for x in T.unroll(4):
-                                        macc[t, x] = (
-                                            macc[t, x]
-                                            + weight[hd, sp]
-                                            * part_o[s, hd // group, sp, i * group + hd % group, d0 + x]
-                                        )
-                                for x in T.unroll(4):
-                                    out[s * blk + i, hd * dim + d0 + x] = T.Cast(DTYPE, macc[t, x] * scale[hd])
+        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
 
     return attention
 
 
 # --------------------------------------------------------------------------------------------- rule
+
+
+def default_splits(target: Target) -> int:
+    """The largest power of two of splits that puts one sequence's 8 kv heads (the Qwen3 drafters') on at
+    most one block per SM: blocks sharing an SM set the pace."""
+    splits = 1
+    while splits * 2 * 8 <= target.sm_count:
+        splits *= 2
+    return splits
 
 
 class AttentionRule(FamilyRule):
@@ -696,14 +748,9 @@ class AttentionRule(FamilyRule):
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # 256 threads: 8 warps cover a 64 x 32 score tile at 8 scores per thread. Chunk 32 fits sm_120's
-        # 99 KiB with f32 staging (64 was slower on an H200). Splits: the largest power of two with one
-        # sequence's 8 kv heads (the Qwen3 drafters') on at most one block per SM: blocks sharing an SM
-        # set the pace. On an H200 16 splits beat 32 (74 vs 81 us at 4096 keys, 162 vs 188 us for 8
-        # sequences): fewer partials to merge; finer spans balanced no better.
-        splits = 1
-        while splits * 2 * 8 <= target.sm_count:
-            splits *= 2
-        return {"threads": min(256, target.max_threads_per_block), "chunk": 32, "splits": splits}
+        # 99 KiB with f32 staging (64 was slower on an H200). On an H200 16 splits beat 32 (74 vs 81 us
+        # at 4096 keys, 162 vs 188 us for 8 sequences): fewer partials to merge; finer spans balanced no better.
+        return {"threads": min(256, target.max_threads_per_block), "chunk": 32, "splits": default_splits(target)}
 
     def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
         if isinstance(subject, BlockAttentionSpec):

@@ -16,7 +16,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dflash_compiler.artifact import CUBIN, WEIGHTS, ArtifactError, Manifest, load_manifest, require_files
+from dflash_compiler.artifact import (
+    CUBIN,
+    WEIGHTS,
+    ArtifactError,
+    Manifest,
+    load_manifest,
+    require_files,
+    verify_files,
+)
 from dflash_compiler.plans import numpy_dtype
 from dflash_compiler.runtime.cuda import Device, Module, Stream
 from dflash_compiler.runtime.device_array import DeviceArray, device_array
@@ -77,9 +85,11 @@ class Drafter(PagedSequences):
         tensors the serving engine already holds (an int address, or an object exposing
         `__cuda_array_interface__`); those are used in place and not uploaded."""
         path = Path(path)
-        manifest = load_manifest(path, require=(CUBIN,))  # every file's hash is checked once, here
+        # every file it reads has its hash checked once, here: the weights file only if some weight is not external
+        manifest = load_manifest(path, require=(CUBIN,), unread=(WEIGHTS,))
         if set(manifest.weights) - set(external_weights or {}):
             require_files(path, manifest, (WEIGHTS,))
+            verify_files(path, manifest, (WEIGHTS,))
         device = device or Device()
         found = device.compute_capability
         if found != manifest.target.compute_capability:

@@ -19,6 +19,7 @@ from dflash_compiler.artifact import (
     ArtifactError,
     Manifest,
     load_manifest,
+    verify_files,
 )
 from dflash_compiler.checkpoint import write_example
 from dflash_compiler.config import load_drafter_config
@@ -122,6 +123,23 @@ def test_damaged_artifacts_are_refused_naming_the_file(built, tmp_path, damage, 
     path = _copy(built[0], tmp_path)
     damage(path)
     with pytest.raises(ArtifactError, match=message):
+        load_manifest(path)
+
+
+def test_weights_file_is_hashed_only_when_read(built, checkpoint, tmp_path):
+    """A drafter given every weight by the engine never opens the weights file, so its hash (gigabytes) is
+    not checked; anyone reading it still gets the damaged file named."""
+    from dflash_compiler.pack import pack_weights
+
+    path = _copy(built[0], tmp_path)
+    pack_weights(path, checkpoint / "drafter", checkpoint / "target")
+    data = bytearray((path / WEIGHTS).read_bytes())
+    data[-1] ^= 0xFF
+    (path / WEIGHTS).write_bytes(bytes(data))
+    manifest = load_manifest(path, require=(CUBIN,), unread=(WEIGHTS,))
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: sha256"):
+        verify_files(path, manifest, (WEIGHTS,))
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: sha256"):
         load_manifest(path)
 
 

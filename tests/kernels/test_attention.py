@@ -17,7 +17,13 @@ import pytest
 
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
-from dflash_compiler.schedules.attention import AttentionLayout, AttentionRule, BlockAttentionSpec, fit_layout
+from dflash_compiler.schedules.attention import (
+    AttentionLayout,
+    AttentionRule,
+    BlockAttentionSpec,
+    fit_layout,
+    merge_blocking,
+)
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
 from dflash_compiler.schedules.check import mismatches
 from dflash_compiler.targets import SM90, SM121
@@ -277,7 +283,9 @@ def test_two_kernels_with_workspaces_and_sane_launches(lowered, target):
         assert grid == (splits, spec.kv_heads, 3) and block == (threads, 1, 1)
         assert 0 < smem <= target.max_shared_memory_per_block
         grid, block, smem = merge.launch_dims(env)
-        assert grid == (spec.block, 3, 1) and block[0] % 32 == 0 and smem <= target.max_static_shared_memory_per_block
+        per_block, merge_threads = merge_blocking(spec)
+        assert grid == (spec.heads // per_block, spec.block, 3) and block == (merge_threads, 1, 1)
+        assert merge_threads == per_block * spec.head_dim // 4 and smem <= target.max_static_shared_memory_per_block
         assert {p.source for p in split.params if p.kind == "ptr"} >= {"q", "k", "v", "kv", "part_o", "part_ml"}
         assert {p.source for p in merge.params if p.kind == "ptr"} >= {"out", "part_o", "part_ml"}
 

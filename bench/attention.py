@@ -1,0 +1,74 @@
+"""Block-attention variants for the GPU check: every mask, head dims 64 and 128, ragged warps, long and
+short sequences, built by one rule (the tensor-core one, or the SIMT one to compare against).
+
+    # build box
+    python bench/attention.py -o build/attn_mma [--rule block_attention] [--splits N]
+    # GPU box: check against numpy and time (same runner as the drafter's kernels)
+    PYTHONPATH=. python bench/kernels.py run build/attn_mma
+
+Cases: 1 and 8 sequences with up to 4096 + 16 cached rows each (the first one full, the others random
+lengths), and 3 sequences of at most 80 rows (empty splits, chunks cut by the split's end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# (block, heads, kv_heads, head_dim, causal, window)
+VARIANTS = (
+    (16, 32, 8, 128, False, None),  # the Qwen3 DFlash drafters
+    (16, 32, 8, 128, False, 2048),  # DFlash2's sliding layers: symmetric window
+    (16, 32, 8, 128, True, None),
+    (16, 32, 8, 128, True, 40),
+    (7, 32, 8, 128, False, None),  # DSpark's block of 7: 28 rows per kv head, a ragged second warp
+    (16, 16, 4, 64, False, 24),
+    (8, 8, 8, 64, True, None),  # no GQA: 8 rows per kv head, one half-empty warp
+)
+# (label, nb, pages per sequence)
+SIZES = (("long nb=1", 1, 258), ("short nb=3", 3, 5), ("long nb=8", 8, 258))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="sm_90")
+    parser.add_argument("--rule", default="block_attention_mma", choices=["block_attention_mma", "block_attention"])
+    parser.add_argument("--splits", type=int, help="override the rule's splits knob")
+    parser.add_argument("-o", "--out", required=True)
+    args = parser.parse_args()
+
+    import tvm
+
+    from dflash_compiler.codegen import lower_to_cuda
+    from dflash_compiler.kernel_check import CheckCase, write_bundle
+    from dflash_compiler.nvrtc import compile_cubin
+    from dflash_compiler.schedules import RULES
+    from dflash_compiler.schedules.attention import BlockAttentionSpec
+    from dflash_compiler.targets import get_target
+
+    target = get_target(args.target)
+    rule = next(r for r in RULES if r.name == args.rule)
+    kernels, cases = [], []
+    for block, heads, kv_heads, dim, causal, window in VARIANTS:
+        spec = BlockAttentionSpec(block, heads, kv_heads, dim, causal, window)
+        kernel = rule.apply(spec, target, None if args.splits is None else {"splits": args.splits})
+        if kernel is None:
+            raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")
+        kernels.append(kernel)
+        for label, nb, maxp in SIZES:
+            sizes = {"m": nb * block, "pages": nb * maxp + 1, "nb": nb, "maxp": maxp}
+            cases.append(CheckCase(kernel.name, sizes, label))
+    cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)
+    cubin = compile_cubin(cuda.source, target.arch)
+    write_bundle(Path(args.out), target.arch, cubin, cuda, {k.name: k.spec for k in kernels}, cases)
+    print(f"{len(kernels)} kernels ({args.rule}), {len(cases)} cases, cubin {len(cubin)} B -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

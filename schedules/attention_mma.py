@@ -1,0 +1,360 @@
+"""Block attention on tensor cores: the split kernel of `attention.py` with `mma.sync.m16n8k16` bf16 → f32.
+
+The SIMT split kernel spends ~70 µs per layer on an H200 on the FMAs of Q·Kᵀ and P·V for one sequence of
+16 block rows × 32 heads against 4096 cached keys, while the K/V bytes take ~4 µs: the work is compute-bound
+on CUDA cores. Here each warp owns 16 query rows of one (sequence, kv head) and runs both products as
+m16n8k16 mmas, flash-attention style; the splits, their spans and the log-sum-exp merge kernel are the ones
+of `attention.py`, so the two kernels write the same partial results.
+
+Thread block = (split, kv head, sequence), `warps` = ceil(block·group / 16) warps; row r of the block's
+query rows is (block row r // group, head r % group of the kv head's group), as in the SIMT kernel. Keys go
+in groups of `warps` chunks of 16: warp w fetches chunk w of the next group into registers (16-byte loads,
+cached rows through the page table, then the block's own rows) while every warp computes the current group
+from shared memory; a barrier separates the two. Per 16-key chunk and warp:
+
+* S = Q·Kᵀ: Q (A operand) stays in registers for the whole kernel; K rows are the B operand's columns.
+  Logical k (head dim) is permuted as in `linear_mma.py` so that every fragment is one 16-byte vector per
+  thread: mma j of a 32-wide step takes logical 2t+e ↦ 8t + 4j + e and 2t+8+e ↦ 8t + 4j + 2 + e.
+* online softmax in base 2 on the S accumulators: a row's 16 scores sit in the 4 threads of a lane quad,
+  whose max is combined with two xor shuffles; the running sum stays per thread until the end.
+* O += P·V: the S accumulators of the chunk's two 8-key tiles are exactly the A fragment of P (keys in
+  natural order). For V the output columns are permuted instead: column g of d-tile j is head-dim element
+  g·(dim/8) + j, so a thread's B fragments for all d-tiles come from 2–4 contiguous vectors of each of its
+  4 keys; the output is written back through the same map.
+
+Keys past the split's end, or hidden by the mask, score -inf (weight exactly 0); their loads read the
+split's last key instead, so no value is garbage. Rows past block·group (a ragged last warp) read row
+rows - 1 and are never stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_compiler.targets import Target
+
+from .attention import (
+    DTYPE,
+    AttentionRule,
+    BlockAttentionSpec,
+    _visible,
+    default_splits,
+    merge_macro,
+    split_span_macro,
+)
+from .base import FamilyRule, Kernel, OpInstance, ScheduleError
+
+WARP = 32
+CHUNK = 16  # keys per chunk: the k of the P·V mma, two n-tiles of the Q·Kᵀ mma
+_NEG = -3.0e38  # as in attention.py: finite, so exp2 and max never see NaN
+_PAD = 8  # bf16 elements of padding per staged K/V row: 16 bytes, so fragment reads spread over the banks
+
+
+@dataclass(frozen=True)
+class MmaAttentionPlan:
+    """The resolved shape of one tensor-core attention kernel."""
+
+    warps: int  # 16 query rows each; also the chunks per group
+    splits: int  # thread blocks per (sequence, kv head)
+
+    def shared_bytes(self, spec: BlockAttentionSpec) -> int:
+        """The staged K and V chunks of one group, padded rows."""
+        return 2 * self.warps * CHUNK * (spec.head_dim + _PAD) * 2
+
+
+def mma_attention_fits(spec: BlockAttentionSpec, target: Target) -> bool:
+    """bf16 mma; head dims of whole 32-wide k steps up to 128 (the accumulators of 256 would spill); the
+    warps of a (sequence, kv head) and their staged chunks fit the block."""
+    if not (target.bf16_mma and target.warp_size == WARP and spec.head_dim % 32 == 0 and spec.head_dim <= 128):
+        return False
+    plan = MmaAttentionPlan(warps=_warps(spec), splits=1)
+    return (
+        WARP * plan.warps <= target.max_threads_per_block
+        and plan.shared_bytes(spec) <= target.max_static_shared_memory_per_block
+    )
+
+
+def _warps(spec: BlockAttentionSpec) -> int:
+    return -(-spec.block * spec.group // 16)
+
+
+def fit_mma_attention(spec: BlockAttentionSpec, target: Target, splits: int) -> MmaAttentionPlan:
+    """The plan for `spec` (which `mma_attention_fits` `target`) with `splits` blocks per (sequence, kv head)."""
+    if not 1 <= splits <= 256:
+        raise ScheduleError(f"{AttentionMmaRule.name} knob splits={splits}: expected 1 to 256")
+    return MmaAttentionPlan(warps=_warps(spec), splits=splits)
+
+
+def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
+    """The CUDA-scheduled PrimFunc (same parameters as the SIMT kernel's) following `plan`."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    blk, heads, hkv, dim, page, group = spec.block, spec.heads, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
+    rows, warps, splits = spec.block * spec.group, plan.warps, plan.splits
+    steps = dim // 32  # 32-wide k steps of Q·Kᵀ (two mmas each)
+    vcols = dim // 8  # d-tiles of P·V = head-dim elements of a V row per thread
+    vvec = 8 if vcols % 8 == 0 else 4  # elements per V load (16 or 8 bytes)
+    row_vectors = dim // 8  # 16-byte vectors per K/V row
+    fetch = CHUNK * row_vectors // WARP  # 16-byte vectors of K (and of V) a lane fetches per chunk
+    pitch = dim + _PAD
+    group_keys = warps * CHUNK
+    q_scale = math.log2(math.e) / math.sqrt(dim)
+    masked = spec.causal or spec.window is not None
+    split_span = split_span_macro(spec, splits, CHUNK)
+    merge = merge_macro(spec, splits, CHUNK, True)
+    full = T.uint32(0xFFFFFFFF)
+
+    @T.macro
+    def fetch_chunk(kr, vr, kv, k, v, table, s, g, n, first, end, lane):
+        # lane's share of one chunk: vectors i·32 + lane of the chunk's [16 keys, dim/8 vectors] K and V
+        for i in T.unroll(fetch):
+            key = T.meta_var(T.min(first + (i * WARP + lane) // row_vectors, end - 1))
+            d0 = T.meta_var((i * WARP + lane) % row_vectors * 8)
+            if key < n:
+                slot: T.let[T.int32] = table[s, key // page]
+                for x in T.vectorized(8):
+                    kr[i, x] = kv[0, slot, key % page, g, d0 + x]
+                for x in T.vectorized(8):
+                    vr[i, x] = kv[1, slot, key % page, g, d0 + x]
+            else:
+                for x in T.vectorized(8):
+                    kr[i, x] = k[s * blk + key - n, g * dim + d0 + x]
+                for x in T.vectorized(8):
+                    vr[i, x] = v[s * blk + key - n, g * dim + d0 + x]
+
+    @T.macro
+    def stage_chunk(kr, vr, ks, vs, w, lane):
+        for i in T.unroll(fetch):
+            c = T.meta_var((i * WARP + lane) // row_vectors)
+            d0 = T.meta_var((i * WARP + lane) % row_vectors * 8)
+            for x in T.vectorized(8):
+                ks[(w * CHUNK + c) * pitch + d0 + x] = kr[i, x]
+            for x in T.vectorized(8):
+                vs[(w * CHUNK + c) * pitch + d0 + x] = vr[i, x]
+
+    @T.macro
+    def compute_chunk(c, k0, ks, vs, qf, kl, kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
+                      blk_positions, s, n, end, gq, tq):  # fmt: skip
+        # S = Q·Kᵀ over this chunk's 16 keys: n-tile nt holds keys k0 + 8·nt + gq as B columns
+        for i in T.unroll(8):
+            sacc[i] = T.float32(0)
+        for nt in T.unroll(2):
+            for st in T.unroll(steps):
+                for x in T.vectorized(8):
+                    kl[x] = ks[(c * CHUNK + nt * 8 + gq) * pitch + st * 32 + tq * 8 + x]
+                for x in T.unroll(8):
+                    kb[(nt * steps + st) * 8 + x] = kl[x]
+        for nt in T.unroll(2):
+            for st in T.unroll(steps):
+                for j in T.unroll(2):
+                    T.evaluate(
+                        T.ptx_legacy.mma(
+                            "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                            qf.data, (st * 2 + j) * 8, kb.data, (nt * steps + st) * 8 + 4 * j, sacc.data, nt * 4,
+                            False, dtype="float32",
+                        )
+                    )  # fmt: skip
+        # scores in base 2; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2
+        for nt in T.unroll(2):
+            for e in T.unroll(4):
+                key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
+                if masked:
+                    sacc[nt * 4 + e] = T.if_then_else(
+                        tirx.all(
+                            key < end,
+                            _visible(
+                                spec,
+                                q_at[e // 2],
+                                T.if_then_else(
+                                    key < n, key, blk_positions[s * blk + T.max(T.min(key, end - 1) - n, 0)]
+                                ),
+                            ),
+                        ),
+                        sacc[nt * 4 + e] * q_scale,
+                        T.float32(_NEG),
+                    )
+                else:
+                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e] * q_scale, T.float32(_NEG))
+        for h in T.unroll(2):
+            stat[h] = T.max(T.max(sacc[h * 2], sacc[h * 2 + 1]), T.max(sacc[4 + h * 2], sacc[4 + h * 2 + 1]))
+            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
+            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
+            stat[h] = T.max(m_run[h], stat[h])  # the new running max
+            stat[2 + h] = T.exp2(m_run[h] - stat[h])  # rescale of what came before
+            m_run[h] = stat[h]
+        for nt in T.unroll(2):
+            for e in T.unroll(4):
+                sacc[nt * 4 + e] = T.if_then_else(
+                    sacc[nt * 4 + e] > T.float32(_NEG * 0.5), T.exp2(sacc[nt * 4 + e] - stat[e // 2]), T.float32(0)
+                )
+                pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
+        for h in T.unroll(2):
+            l_run[h] = l_run[h] * stat[2 + h] + sacc[h * 2] + sacc[h * 2 + 1] + sacc[4 + h * 2] + sacc[4 + h * 2 + 1]
+        for j in T.unroll(vcols):
+            for e in T.unroll(4):
+                oacc[j * 4 + e] = oacc[j * 4 + e] * stat[2 + e // 2]
+        # O += P·V: B fragment of d-tile j = element j of the thread's V vectors of keys 2tq, 2tq+1, 8+2tq, 9+2tq
+        for kk in T.unroll(4):
+            for cv in T.unroll(vcols // vvec):
+                for x in T.vectorized(vvec):
+                    vl[kk, cv * vvec + x] = vs[(c * CHUNK + kk // 2 * 8 + tq * 2 + kk % 2) * pitch
+                                               + gq * vcols + cv * vvec + x]  # fmt: skip
+        for j in T.unroll(vcols):
+            for kk in T.unroll(4):
+                vb[j * 4 + kk] = vl[kk, j]
+        for j in T.unroll(vcols):
+            T.evaluate(
+                T.ptx_legacy.mma(
+                    "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                    pa.data, 0, vb.data, j * 4, oacc.data, j * 4, False, dtype="float32",
+                )
+            )  # fmt: skip
+
+    @T.prim_func(s_tir=True)
+    def attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, kv_h: T.handle, table_h: T.handle,
+                  lens_h: T.handle, pos_h: T.handle, out_h: T.handle) -> None:  # fmt: skip
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True, "tirx.is_scheduled": True})
+        m = T.int32()
+        pages = T.int32()
+        nb = T.int32()
+        maxp = T.int32()
+        q = T.match_buffer(q_h, (m, heads * dim), DTYPE)
+        k = T.match_buffer(k_h, (m, hkv * dim), DTYPE)
+        v = T.match_buffer(v_h, (m, hkv * dim), DTYPE)
+        kv = T.match_buffer(kv_h, (2, pages, page, hkv, dim), DTYPE)
+        block_table = T.match_buffer(table_h, (nb, maxp), "int32")
+        cache_lens = T.match_buffer(lens_h, (nb,), "int32")
+        blk_positions = T.match_buffer(pos_h, (m,), "int32")
+        out = T.match_buffer(out_h, (m, heads * dim), DTYPE)
+        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
+        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
+
+        for s in T.thread_binding(nb, thread="blockIdx.z"):
+            for g in T.thread_binding(hkv, thread="blockIdx.y"):
+                for p in T.thread_binding(splits, thread="blockIdx.x"):
+                    for w in T.thread_binding(warps, thread="threadIdx.y"):
+                        for lane in T.thread_binding(WARP, thread="threadIdx.x"):
+                            with T.sblock("split"):
+                                T.reads()
+                                T.writes()
+                                ks = T.sblock_alloc_buffer((group_keys * pitch,), DTYPE, scope="shared")
+                                vs = T.sblock_alloc_buffer((group_keys * pitch,), DTYPE, scope="shared")
+                                span = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                                ql = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                                qf = T.sblock_alloc_buffer((steps * 16,), DTYPE, scope="local")
+                                kr = T.sblock_alloc_buffer((fetch, 8), DTYPE, scope="local")
+                                vr = T.sblock_alloc_buffer((fetch, 8), DTYPE, scope="local")
+                                kl = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                                kb = T.sblock_alloc_buffer((2 * steps * 8,), DTYPE, scope="local")
+                                vl = T.sblock_alloc_buffer((4, vcols), DTYPE, scope="local")
+                                vb = T.sblock_alloc_buffer((vcols * 4,), DTYPE, scope="local")
+                                sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
+                                pa = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                                oacc = T.sblock_alloc_buffer((vcols * 4,), "float32", scope="local")
+                                m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                stat = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                                q_at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+
+                                gq = T.meta_var(lane // 4)
+                                tq = T.meta_var(lane % 4)
+                                n: T.let[T.int32] = cache_lens[s]
+                                split_span(span, s, n, blk_positions)
+                                span[0] = span[0] + p * span[1]
+                                span[2] = T.min(span[0] + span[1], n + blk)
+                                span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], CHUNK), 0)
+                                start = T.meta_var(span[0])
+                                end = T.meta_var(span[2])
+                                chunks = T.meta_var(span[3])
+
+                                # Q fragments of rows gq, gq + 8 of this warp (rows past the block read the last)
+                                for h in T.unroll(2):
+                                    r = T.meta_var(T.min(w * 16 + h * 8 + gq, rows - 1))
+                                    q_at[h] = blk_positions[s * blk + r // group]
+                                    for st in T.unroll(steps):
+                                        for x in T.vectorized(8):
+                                            ql[x] = q[s * blk + r // group, (g * group + r % group) * dim + st * 32
+                                                      + tq * 8 + x]  # fmt: skip
+                                        for j in T.unroll(2):
+                                            for hi in T.unroll(2):
+                                                for e in T.unroll(2):
+                                                    qf[(st * 2 + j) * 8 + hi * 4 + h * 2 + e] = ql[4 * j + hi * 2 + e]
+                                for h in T.unroll(2):
+                                    m_run[h] = T.float32(_NEG)
+                                    l_run[h] = T.float32(0)
+                                for i in T.unroll(vcols * 4):
+                                    oacc[i] = T.float32(0)
+
+                                if chunks > 0:
+                                    fetch_chunk(kr, vr, kv, k, v, block_table, s, g, n, start + w * CHUNK, end, lane)
+                                for grp in T.serial(T.ceildiv(chunks, warps)):
+                                    stage_chunk(kr, vr, ks, vs, w, lane)
+                                    T.tvm_storage_sync("shared")
+                                    if (grp + 1) * warps < chunks:
+                                        fetch_chunk(kr, vr, kv, k, v, block_table, s, g, n,
+                                                    start + ((grp + 1) * warps + w) * CHUNK, end, lane)  # fmt: skip
+                                    for c in T.unroll(warps):
+                                        compute_chunk(c, start + (grp * warps + c) * CHUNK, ks, vs, qf, kl, kb, vl,
+                                                      vb, sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions,
+                                                      s, n, end, gq, tq)  # fmt: skip
+                                    T.tvm_storage_sync("shared")
+
+                                # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
+                                for h in T.unroll(2):
+                                    l_run[h] = l_run[h] + T.call_extern(
+                                        "float32", "__shfl_xor_sync", full, l_run[h], 1, WARP
+                                    )
+                                    l_run[h] = l_run[h] + T.call_extern(
+                                        "float32", "__shfl_xor_sync", full, l_run[h], 2, WARP
+                                    )
+                                for h in T.unroll(2):
+                                    if w * 16 + h * 8 + gq < rows:
+                                        if chunks > 0:
+                                            # a thread's columns (2tq + e)·vcols + j are contiguous in j:
+                                            # float4 stores, a quarter of the scattered scalar ones
+                                            for e in T.unroll(2):
+                                                for jv in T.unroll(vcols // 4):
+                                                    for x in T.vectorized(4):
+                                                        part_o[s, g, p, w * 16 + h * 8 + gq,
+                                                               (tq * 2 + e) * vcols + jv * 4 + x] = (
+                                                            oacc[(jv * 4 + x) * 4 + h * 2 + e]
+                                                        )  # fmt: skip
+                                        if tq == 0:
+                                            part_ml[s, g, p, w * 16 + h * 8 + gq, 0] = m_run[h]
+                                            part_ml[s, g, p, w * 16 + h * 8 + gq, 1] = l_run[h]
+
+        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
+
+    return attention
+
+
+class AttentionMmaRule(FamilyRule):
+    """`block_attention` on tensor cores where `mma_attention_fits` (else the SIMT AttentionRule takes it).
+
+    Knob: `splits`, thread blocks one (sequence, kv head) is split across (spans adapt to each length).
+    """
+
+    name = "block_attention_mma"
+    knob_names = ("splits",)
+
+    def default_knobs(self, target: Target) -> dict[str, int]:
+        return {"splits": default_splits(target)}
+
+    def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
+        return AttentionRule().spec_of(subject)
+
+    def views(self, op: OpInstance) -> dict[str, tuple[int, ...]]:
+        return AttentionRule().views(op)
+
+    def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
+        spec = self.spec_of(subject)
+        if spec is None or not mma_attention_fits(spec, target):
+            return None
+        return super().apply(spec, target, knobs)
+
+    def schedule(self, spec: BlockAttentionSpec, target: Target, knobs: Mapping[str, int]) -> Any:
+        return attention_mma_func(spec, fit_mma_attention(spec, target, knobs["splits"]))

@@ -1,0 +1,118 @@
+"""Tensor-core block attention: which specs the rule takes (and leaves to the SIMT kernel), the kernel table
+TVM produces (the same workspaces and merge as the SIMT kernel), and NVRTC builds for all three targets
+with code for each SM and registers that fit.
+
+The mma kernel cannot run on the CPU; its numbers are checked on the GPU against numpy through a check
+bundle (`python bench/attention.py -o DIR`, then `pytest tests/gpu/test_kernels.py --kernel-bundle DIR`),
+which covers every mask, head dims 64 and 128, ragged warps, long and short sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_compiler.runtime.expr import evaluate
+from dflash_compiler.schedules import RULES, apply_rules
+from dflash_compiler.schedules.attention import BlockAttentionSpec, merge_blocking
+from dflash_compiler.schedules.attention_mma import (
+    AttentionMmaRule,
+    MmaAttentionPlan,
+    fit_mma_attention,
+    mma_attention_fits,
+)
+from dflash_compiler.schedules.base import ScheduleError
+from dflash_compiler.targets import SM90, SM120, SM121
+
+tvm = pytest.importorskip("tvm")
+
+from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
+
+QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
+DFLASH2_SWA = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False, window=2048)
+DSPARK = BlockAttentionSpec(block=7, heads=32, kv_heads=8, head_dim=128, causal=False)  # 28 rows: ragged warp
+SMALL = BlockAttentionSpec(block=8, heads=8, kv_heads=8, head_dim=64, causal=True, window=24)  # 8 rows, no GQA
+
+
+@pytest.mark.parametrize(
+    ("spec", "rule"),
+    [
+        (QWEN3_8B, "block_attention_mma"),
+        (DSPARK, "block_attention_mma"),
+        (SMALL, "block_attention_mma"),
+        (BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=True, window=12), "block_attention"),
+        (BlockAttentionSpec(block=6, heads=4, kv_heads=4, head_dim=12, causal=False), "block_attention"),
+        (BlockAttentionSpec(block=16, heads=16, kv_heads=4, head_dim=256, causal=False), "block_attention"),
+        (BlockAttentionSpec(block=16, heads=48, kv_heads=4, head_dim=128, causal=False), "block_attention"),
+    ],
+    ids=lambda x: x.name if isinstance(x, BlockAttentionSpec) else x,
+)
+def test_rule_takes_what_it_can_tile(spec, rule):
+    """head_dim a multiple of 32 up to 128 and a group that fits the staged chunks go to tensor cores; the
+    SIMT kernel (correct for any shape) takes the rest."""
+    assert apply_rules(RULES, spec, SM90).rule == rule
+
+
+def test_fit_rules():
+    assert not mma_attention_fits(QWEN3_8B, SM90.model_copy(update={"bf16_mma": False}))
+    # 192 query rows per kv head: 12 warps stage 12 chunks, 104 KB of shared memory
+    assert not mma_attention_fits(BlockAttentionSpec(16, 48, 4, 128, False), SM90)
+    plan = fit_mma_attention(DSPARK, SM90, 16)
+    assert plan == MmaAttentionPlan(warps=2, splits=16)
+    assert plan.shared_bytes(DSPARK) == 2 * 2 * 16 * (128 + 8) * 2
+    with pytest.raises(ScheduleError, match="splits=0"):
+        AttentionMmaRule().apply(QWEN3_8B, SM90, {"splits": 0})
+    with pytest.raises(ScheduleError, match="unknown knob"):
+        AttentionMmaRule().apply(QWEN3_8B, SM90, {"chunk": 32})
+    assert AttentionMmaRule().default_knobs(SM121) == {"splits": 4}  # 48 SMs: 8 kv heads x 4 blocks
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    out = {}
+    for target in (SM90, SM120, SM121):
+        kernels = [AttentionMmaRule().apply(s, target) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK, SMALL)]
+        out[target.name] = (kernels, lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target))
+    return out
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+def test_kernel_table(lowered, target):
+    kernels, cuda = lowered[target.name]
+    for kernel in kernels:
+        spec, splits = kernel.spec, kernel.knobs["splits"]
+        warps = -(-spec.block * spec.group // 16)
+        func = cuda.functions[kernel.name]
+        assert [k.name for k in func.kernels] == [f"{kernel.name}_kernel", f"{kernel.name}_kernel_1"]
+        # the SIMT kernel's workspaces: the merge kernel is shared
+        assert [(w.name, w.dtype) for w in func.workspaces] == [("part_o", "float32"), ("part_ml", "float32")]
+        env = {"nb": 3, "m": 3 * spec.block, "maxp": 7, "pages": 21}
+        rows = spec.block * spec.group
+        sizes = [int(np.prod([evaluate(d, env) for d in w.shape])) for w in func.workspaces]
+        assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
+        split, merge = func.kernels
+        grid, block, smem = split.launch_dims(env)
+        assert grid == (splits, spec.kv_heads, 3) and block == (32, warps, 1)
+        assert smem == 0  # static: the staged chunks
+        grid, block, _ = merge.launch_dims(env)
+        per_block, threads = merge_blocking(spec)
+        assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
+    assert cuda.source.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 2 * len(kernels)
+    assert "__shfl_xor_sync" in cuda.source
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+def test_nvrtc_builds_for_each_sm(lowered, target):
+    from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
+    from dflash_compiler.nvrtc import compile_cubin
+
+    kernels, cuda = lowered[target.name]
+    cubin = compile_cubin(cuda.source, target.arch)
+    assert cubin_arch(cubin) == target.arch
+    assert set(kernel_names(cubin)) == set(cuda.kernel_names())
+    shared = static_shared_bytes(cubin)
+    for kernel in kernels:
+        plan = fit_mma_attention(kernel.spec, target, kernel.knobs["splits"])
+        # TVM trims the last row's padding; the section may add the block's reserved bytes
+        assert plan.shared_bytes(kernel.spec) - 64 <= shared[f"{kernel.name}_kernel"]
+        assert shared[f"{kernel.name}_kernel"] <= target.max_static_shared_memory_per_block
