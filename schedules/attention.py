@@ -391,6 +391,49 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool)
     return merge
 
 
+def attention_prim_func(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, split: Any) -> Any:
+    """The block-attention PrimFunc both kernels share: the parameters, the host workspaces between the two
+    kernels (unnormalised outputs and (max, sum) per split), the split kernel `split(q, k, v, kv, block_table,
+    cache_lens, blk_positions, part_o, part_ml, nb)` and the merge kernel. The splits' spans are cut in
+    multiples of `chunk` keys."""
+    from tvm.script import tirx as T
+
+    heads, hkv, dim, page = spec.heads, spec.kv_heads, spec.head_dim, spec.page_size
+    rows = spec.block * spec.group
+    merge = merge_macro(spec, splits, chunk, device)
+
+    @T.prim_func(s_tir=True)
+    def attention(
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        kv_h: T.handle,
+        table_h: T.handle,
+        lens_h: T.handle,
+        pos_h: T.handle,
+        out_h: T.handle,
+    ) -> None:
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        m = T.int32()
+        pages = T.int32()
+        nb = T.int32()
+        maxp = T.int32()
+        q = T.match_buffer(q_h, (m, heads * dim), DTYPE)
+        k = T.match_buffer(k_h, (m, hkv * dim), DTYPE)
+        v = T.match_buffer(v_h, (m, hkv * dim), DTYPE)
+        kv = T.match_buffer(kv_h, (2, pages, page, hkv, dim), DTYPE)
+        block_table = T.match_buffer(table_h, (nb, maxp), "int32")
+        cache_lens = T.match_buffer(lens_h, (nb,), "int32")
+        blk_positions = T.match_buffer(pos_h, (m,), "int32")
+        out = T.match_buffer(out_h, (m, heads * dim), DTYPE)
+        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
+        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
+        split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb)
+        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
+
+    return attention
+
+
 # ------------------------------------------------------------------------------------------- kernel
 
 
@@ -414,7 +457,7 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
     from tvm.script import tirx as T
 
     tl = tiles(spec, layout)
-    blk, heads, hkv, dim, page, group = spec.block, spec.heads, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
+    blk, hkv, dim, page, group = spec.block, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
     nt, chunk, splits = layout.threads, layout.chunk, layout.splits
     rows, sr, sc, qr, pr, pc, rp = (
         tl.rows,
@@ -440,7 +483,6 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
     local = "local" if device else "global"
     q_loads, kv_loads = qr * (dim // lv), chunk * (dim // lv)
     split_span = split_span_macro(spec, splits, chunk)
-    merge = merge_macro(spec, splits, chunk, device)
 
     def grid(n: Any, tag: str) -> Any:
         return T.thread_binding(n, thread=tag) if device else T.serial(n)
@@ -478,34 +520,19 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
                     for x in T.vectorized(lv):
                         v_ld[t, it, x] = v[s * blk + key - n, g * dim + d0 + x]
 
-    @T.prim_func(s_tir=True)
-    def attention(
-        q_h: T.handle,
-        k_h: T.handle,
-        v_h: T.handle,
-        kv_h: T.handle,
-        table_h: T.handle,
-        lens_h: T.handle,
-        pos_h: T.handle,
-        out_h: T.handle,
+    @T.macro
+    def split(
+        q: Any,
+        k: Any,
+        v: Any,
+        kv: Any,
+        block_table: Any,
+        cache_lens: Any,
+        blk_positions: Any,
+        part_o: Any,
+        part_ml: Any,
+        nb: Any,
     ) -> None:
-        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
-        m = T.int32()
-        pages = T.int32()
-        nb = T.int32()
-        maxp = T.int32()
-        q = T.match_buffer(q_h, (m, heads * dim), DTYPE)
-        k = T.match_buffer(k_h, (m, hkv * dim), DTYPE)
-        v = T.match_buffer(v_h, (m, hkv * dim), DTYPE)
-        kv = T.match_buffer(kv_h, (2, pages, page, hkv, dim), DTYPE)
-        block_table = T.match_buffer(table_h, (nb, maxp), "int32")
-        cache_lens = T.match_buffer(lens_h, (nb,), "int32")
-        blk_positions = T.match_buffer(pos_h, (m,), "int32")
-        out = T.match_buffer(out_h, (m, heads * dim), DTYPE)
-        # Host workspaces between the two kernels: unnormalised outputs and (max, sum) per split.
-        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
-        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
-
         for s in grid(nb, "blockIdx.z"):
             for g in grid(hkv, "blockIdx.y"):
                 for p in grid(splits, "blockIdx.x"):
@@ -719,9 +746,7 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
                                     part_ml[s, g, p, rr * nt + t, 0] = m_run[t, rr]
                                     part_ml[s, g, p, rr * nt + t, 1] = l_run[t, rr]
 
-        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
-
-    return attention
+    return attention_prim_func(spec, splits, chunk, device, split)
 
 
 # --------------------------------------------------------------------------------------------- rule

@@ -41,8 +41,8 @@ from .attention import (
     AttentionRule,
     BlockAttentionSpec,
     _visible,
+    attention_prim_func,
     default_splits,
-    merge_macro,
     split_span_macro,
 )
 from .base import FamilyRule, Kernel, OpInstance, ScheduleError
@@ -93,7 +93,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     from tvm import tirx
     from tvm.script import tirx as T
 
-    blk, heads, hkv, dim, page, group = spec.block, spec.heads, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
+    blk, hkv, dim, page, group = spec.block, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
     rows, warps, splits = spec.block * spec.group, plan.warps, plan.splits
     steps = dim // 32  # 32-wide k steps of Q·Kᵀ (two mmas each)
     vcols = dim // 8  # d-tiles of P·V = head-dim elements of a V row per thread
@@ -105,7 +105,6 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     q_scale = math.log2(math.e) / math.sqrt(dim)
     masked = spec.causal or spec.window is not None
     split_span = split_span_macro(spec, splits, CHUNK)
-    merge = merge_macro(spec, splits, CHUNK, True)
     full = T.uint32(0xFFFFFFFF)
 
     @T.macro
@@ -214,25 +213,8 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                 )
             )  # fmt: skip
 
-    @T.prim_func(s_tir=True)
-    def attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, kv_h: T.handle, table_h: T.handle,
-                  lens_h: T.handle, pos_h: T.handle, out_h: T.handle) -> None:  # fmt: skip
-        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True, "tirx.is_scheduled": True})
-        m = T.int32()
-        pages = T.int32()
-        nb = T.int32()
-        maxp = T.int32()
-        q = T.match_buffer(q_h, (m, heads * dim), DTYPE)
-        k = T.match_buffer(k_h, (m, hkv * dim), DTYPE)
-        v = T.match_buffer(v_h, (m, hkv * dim), DTYPE)
-        kv = T.match_buffer(kv_h, (2, pages, page, hkv, dim), DTYPE)
-        block_table = T.match_buffer(table_h, (nb, maxp), "int32")
-        cache_lens = T.match_buffer(lens_h, (nb,), "int32")
-        blk_positions = T.match_buffer(pos_h, (m,), "int32")
-        out = T.match_buffer(out_h, (m, heads * dim), DTYPE)
-        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
-        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
-
+    @T.macro
+    def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
         for s in T.thread_binding(nb, thread="blockIdx.z"):
             for g in T.thread_binding(hkv, thread="blockIdx.y"):
                 for p in T.thread_binding(splits, thread="blockIdx.x"):
@@ -327,9 +309,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                             part_ml[s, g, p, w * 16 + h * 8 + gq, 0] = m_run[h]
                                             part_ml[s, g, p, w * 16 + h * 8 + gq, 1] = l_run[h]
 
-        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
-
-    return attention
+    return attention_prim_func(spec, splits, CHUNK, True, split).with_attr("tirx.is_scheduled", True)
 
 
 class AttentionMmaRule(FamilyRule):
