@@ -7,14 +7,23 @@ Two steps, because the build box has TVM and no GPU and the GPU box has no TVM:
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python)
     PYTHONPATH=. python bench/linear.py run build/linear [--log linear.log]
 
-`run` prints, per kernel and row count m: the median µs per call of >= 30 timed replays, the bytes the call
-must move (weight + scale + x + y), GB/s, % of the device-to-device copy bandwidth (bytes read + written)
-measured in the same run, and the largest error against the spec's numpy reference (a mismatch, judged by
-schedules/check.py, fails the run). Every timed launch reads another copy of the weight, with enough copies
+`run` first checks every (kernel, row count m) against the spec's numpy reference (a mismatch, judged by
+schedules/check.py, fails the run), then times the timed ones in `--rounds` rounds: each round measures the
+device-to-device copy bandwidth and times every case once (the median µs per call of `--repeats` graph
+replays), round-robin, so drift of clocks and temperature falls on all variants alike. Per case it prints
+the median over rounds, the min and max across rounds and their spread ((max - min) / median), the bytes
+the call must move (weight + scale + x + y) as GB/s and as % of the median copy bandwidth (bytes read +
+written), and the largest error. Every timed launch reads another copy of the weight, with enough copies
 to exceed the L2 several times over, so the figure is a DRAM stream as in the model, where every layer's
-weight is distinct. `--dependent-launch` launches them as the drafter does (dependent_launch.py): each
-call's weight stream starts while the previous call drains. `--sweep` adds knob variants of the big shapes
-(named `<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>`) to pick per-target defaults from.
+weight is distinct; all groups' copies stay in device memory for the rounds. `--dependent-launch` launches
+them as the drafter does (dependent_launch.py): each call's weight stream starts while the previous call
+drains. `--sweep` adds knob variants of the big shapes to pick per-target defaults from, named
+`<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>` (plus `x<x_stages>n<n_warps>` in GEMM mode). `--gemm`
+builds instead the GEMM mode of the tensor-core kernel (x through shared memory) against its default GEMV
+mode at 16-256 rows (1-16 sequences of 16 block rows), plus GEMM-mode correctness cases:
+
+    python bench/linear.py build --gemm -o build/linear_gemm
+    PYTHONPATH=. python bench/linear.py run build/linear_gemm --json build/linear_gemm/results.json
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +90,25 @@ ODD: tuple[tuple[str, str, int, int, str], ...] = (
     ("gemv", "matmul", 4096, 4096, BF16),
 )
 ODD_ROWS = (1, 7, 16, 33)
+# --gemm (instead of the above): the tensor-core kernel's GEMM mode (x through shared memory) against its
+# default GEMV mode at 1-16 sequences of 16 block rows, as (warps, row_tiles, unroll, m_tile, stages, x_stages,
+# n_warps): warps that split k (each reads its own x), then warps that split n and share x
+GEMM_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+GEMM_ROWS = (16, 64, 128, 256)
+GEMM_KNOBS = (
+    (4, 1, 4, 128, 2, 2, 1), (4, 2, 2, 64, 2, 2, 1), (4, 1, 1, 256, 1, 2, 1),
+    (1, 1, 4, 128, 2, 3, 4), (1, 1, 4, 128, 2, 3, 8), (1, 1, 4, 128, 2, 2, 8), (2, 1, 4, 128, 2, 3, 4),
+    (2, 1, 4, 128, 2, 3, 2), (4, 1, 4, 128, 2, 3, 2),
+)  # fmt: skip
+# GEMM-mode correctness (not timed): ragged n, a warp with a single k step, m over several passes, rows of
+# x past m in the last row group, one and three ring slots, two row tiles, one weight stage, and warps that
+# split n (2 and 4 of them, sharing x) with one or two k warps
+GEMM_ODD = (("matmul", 8, 64, BF16), ("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16),
+            ("matmul_fp8", 72, 128, FP8), ("lm_head", 512, 256, FP8))  # fmt: skip
+GEMM_ODD_KNOBS = ((4, 1, 4, 32, 2, 2, 1), (4, 2, 2, 64, 1, 3, 1), (2, 1, 2, 16, 2, 1, 1), (1, 1, 4, 32, 2, 2, 2),
+                  (2, 1, 2, 64, 1, 3, 4), (1, 2, 2, 16, 2, 2, 2))  # fmt: skip
+GEMM_ODD_ROWS = (1, 7, 16, 33, 70, 130)
+KNOB_NAMES = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
 FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
 
 
@@ -114,25 +143,43 @@ def build(args: argparse.Namespace) -> None:
         entries.append({"label": label, "spec": _spec_fields(spec), "rule": kernel.rule, "knobs": dict(kernel.knobs),
                         "rows": list(rows), "timed": timed})  # fmt: skip
 
-    for label, (op, n, k) in SHAPES.items():
+    def add_variants(label: str, spec: LinearSpec, knob_sets: Iterable[tuple[int, ...]], rows: Iterable[int],
+                     timed: bool = True) -> None:  # fmt: skip
+        for values in knob_sets:
+            knobs = dict(zip(KNOB_NAMES, values, strict=False))
+            tag = "".join(f"{c}{v}" for c, v in zip("wrumsxn", values, strict=False))
+            variant = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__{tag}")
+            try:
+                add(f"{label} {tag}", variant, mma, rows, knobs, timed)
+            except ScheduleError as exc:
+                print(f"skip {variant.name}: {exc}")
+
+    def linear(label: str, wdtype: str) -> tuple[str, LinearSpec]:
+        op, n, k = SHAPES[label]
+        op_w = "matmul_fp8" if (op == "matmul" and wdtype == FP8) else op
+        return f"{label}{'_fp8' if wdtype == FP8 else ''}", LinearSpec(op=op_w, n=n, k=k, weight_dtype=wdtype)
+
+    if args.gemm:
+        for label in GEMM_SHAPES:
+            for wdtype in (BF16, FP8):
+                name, spec = linear(label, wdtype)
+                add(name, spec, mma, GEMM_ROWS)
+                add_variants(name, spec, GEMM_KNOBS, GEMM_ROWS)
+        for op, n, k, wdtype in GEMM_ODD:
+            add_variants(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_KNOBS, GEMM_ODD_ROWS, False)
+        shapes, odd = (), ()
+    else:
+        shapes, odd = SHAPES, ODD
+    for label in shapes:
         rows = BLOCK_ROWS + (CONTEXT_ROWS if label in ("fc", "ctx_kv") else ())
         for wdtype in (BF16, FP8):
-            op_w = "matmul_fp8" if (op == "matmul" and wdtype == FP8) else op
-            spec = LinearSpec(op=op_w, n=n, k=k, weight_dtype=wdtype)
-            add(f"{label}{'_fp8' if wdtype == FP8 else ''}", spec, mma, rows)
-            variants = SWEEP_KNOBS if args.sweep and label in SWEEP_SHAPES else ()
+            name, spec = linear(label, wdtype)
+            add(name, spec, mma, rows)
+            if args.sweep and label in SWEEP_SHAPES:
+                add_variants(name, spec, SWEEP_KNOBS, SWEEP_ROWS)
             if args.small and label in SMALL_SHAPES and wdtype == BF16:
-                variants += SMALL_KNOBS
-            for w, rt, u, mt, st in variants:
-                tag = f"w{w}r{rt}u{u}m{mt}s{st}"
-                variant = LinearSpec(op=op_w, n=n, k=k, weight_dtype=wdtype, name=f"{spec.name}__{tag}")
-                knobs = {"warps": w, "row_tiles": rt, "unroll": u, "m_tile": mt, "stages": st}
-                variant_rows = SWEEP_ROWS if (w, rt, u, mt, st) in SWEEP_KNOBS else (1, 16)
-                try:
-                    add(f"{label}{'_fp8' if wdtype == FP8 else ''} {tag}", variant, mma, variant_rows, knobs)
-                except ScheduleError as exc:
-                    print(f"skip {variant.name}: {exc}")
-    for path, op, n, k, wdtype in ODD:
+                add_variants(name, spec, SMALL_KNOBS, (1, 16))
+    for path, op, n, k, wdtype in odd:
         spec = LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype)
         rule = mma if path == "mma" else gemv
         if path == "gemv":
@@ -193,14 +240,27 @@ def _time(record: Callable[[Any], None], launches: int, repeats: int) -> list[fl
         stream.destroy()
 
 
+@dataclass
+class Case:
+    """One (entry, m): its check against numpy and, when timed, its launches and one µs figure per round."""
+
+    entry: dict[str, Any]
+    spec: LinearSpec
+    m: int
+    err: float
+    problems: list[str]
+    record: Callable[[Any], None] | None = None  # None: checked, not timed
+    launches: int = 0
+    us: list[float] = field(default_factory=list)
+
+
 class Bench:
-    """The GPU side: one loaded cubin, the copy bandwidth, and one group of entries per weight."""
+    """The GPU side: one loaded cubin, every group's buffers (kept until `close`), the checked cases."""
 
     def __init__(self, bundle: Path, repeats: int, log: Log, dependent_launch: bool) -> None:
         from cuda.bindings import driver as cu
 
         from dflash_compiler.codegen import HostFunction
-        from dflash_compiler.kernel_check import copy_bandwidth
         from dflash_compiler.runtime.cuda import Device, Module, check
 
         missing = [f for f in FILES if not (bundle / f).is_file()]
@@ -212,17 +272,17 @@ class Bench:
         self.module = Module((bundle / "kernels.cubin").read_bytes(), dependent_launch=dependent_launch)
         attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
         self.l2 = int(check(cu.cuDeviceGetAttribute(attr, self.device.handle), "cuDeviceGetAttribute(L2)"))
-        self.copy_bw = copy_bandwidth(self.device)
         self.repeats, self.log = repeats, log
-        self.results: list[dict[str, Any]] = []
+        self.cases: list[Case] = []
+        self.copy_bw: list[float] = []  # one figure per round
+        self.buffers: list[int] = []
         log(f"device: {self.device.name} (cc {self.device.compute_capability}), L2 {self.l2 >> 20} MiB, "
             f"cubin {table['arch']}, {'dependent' if dependent_launch else 'plain'} launches")  # fmt: skip
-        log(f"copy bandwidth (D2D 1 GiB, read + write): {self.copy_bw / 1e9:.0f} GB/s")
-        log(f"{'kernel':30s} {'m':>4s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'err':>8s}  knobs")
 
     def group(self, base: LinearSpec, members: list[dict[str, Any]], rng: np.random.Generator) -> None:
-        """Every entry computing `base`: one sample at the largest m (rows are independent, so the first m
-        rows of x give the first m rows of the reference) and one set of weight copies in device memory."""
+        """Check every entry computing `base`: one sample at the largest m (rows are independent, so the first
+        m rows of x give the first m rows of the reference) and one set of weight copies in device memory,
+        kept for the timing rounds."""
         from cuda.bindings import driver as cu
 
         from dflash_compiler.runtime.cuda import check
@@ -242,20 +302,17 @@ class Bench:
         for _ in range(copies - 1):
             weights.append(device.alloc(w_bytes))
             device.copy(weights[-1], weights[0], w_bytes)
+        self.buffers += [*ptr.values(), *weights]
         device.synchronize()
-        try:
-            for e in members:
-                for m in e["rows"]:
-                    check(cu.cuMemsetD8(ptr["y"], 0xFF, arrays["y"].nbytes), "cuMemsetD8")  # NaN where unwritten
-                    self.case(e, m, ptr, weights, ref[:m], arrays["y"].dtype)
-        finally:
-            for p in [*ptr.values(), *weights]:
-                device.free(p)
+        for e in members:
+            for m in e["rows"]:
+                check(cu.cuMemsetD8(ptr["y"], 0xFF, arrays["y"].nbytes), "cuMemsetD8")  # NaN where unwritten
+                self.check(e, m, ptr, weights, ref[:m], arrays["y"].dtype)
         self.log(f"# {base.op} {base.n}x{base.k} {base.weight_dtype}: sample+reference {t_ref:.1f} s, "
                  f"{copies} weight copies")  # fmt: skip
 
-    def case(self, e: dict[str, Any], m: int, ptr: dict[str, int], weights: list[int], ref: np.ndarray,
-             out_type: Any) -> None:  # fmt: skip
+    def check(self, e: dict[str, Any], m: int, ptr: dict[str, int], weights: list[int], ref: np.ndarray,
+              out_type: Any) -> None:  # fmt: skip
         from dflash_compiler.schedules.check import max_relative_error, mismatches
 
         spec = LinearSpec(**e["spec"])
@@ -264,9 +321,9 @@ class Bench:
         self.module.launch(launch, {**ptr, "w": weights[0]}, env)
         self.device.synchronize()
         got = {"y": self.device.download(ptr["y"], (m, spec.n), out_type)}
-        problems = mismatches(spec, got, {"y": ref})
-        err = max_relative_error(spec, got, {"y": ref})
-        us = gbps = pct = float("nan")
+        case = Case(e, spec, m, max_relative_error(spec, got, {"y": ref}), mismatches(spec, got, {"y": ref}))
+        if case.problems:
+            self.log(f"{e['label']:30s} {m:4d} MISMATCH {case.problems[0]}")
         if e["timed"]:
             per = max(1, -(-16 // len(weights)))  # at least 16 launches per replay
 
@@ -275,14 +332,50 @@ class Bench:
                     for w_ptr in weights:
                         self.module.launch(launch, {**ptr, "w": w_ptr}, env, stream)
 
-            us = statistics.median(_time(record, per * len(weights), self.repeats))
-            gbps = spec.bytes_moved(env) / (us * 1e-6) / 1e9
-            pct = 100 * gbps * 1e9 / self.copy_bw
-        knobs = ",".join(f"{k}={v}" for k, v in e["knobs"].items())
-        status = "" if not problems else "  MISMATCH " + problems[0]
-        self.log(f"{e['label']:30s} {m:4d} {us:9.2f} {gbps:7.0f} {pct:6.1f} {err:8.1e}  {knobs}{status}")
-        self.results.append({"label": e["label"], "kernel": spec.name, "m": m, "us": us, "gbps": gbps,
-                             "pct_copy": pct, "max_rel_err": err, "ok": not problems, "knobs": e["knobs"]})  # fmt: skip
+            case.record, case.launches = record, per * len(weights)
+        self.cases.append(case)
+
+    def measure(self, rounds: int) -> None:
+        """`rounds` rounds; each measures the copy bandwidth and then times every timed case once, in bundle
+        order (reversed every other round), so drift of clocks and temperature falls on all cases alike."""
+        from dflash_compiler.kernel_check import copy_bandwidth
+
+        timed = [c for c in self.cases if c.record is not None]
+        for r in range(rounds):
+            t0 = time.time()
+            self.copy_bw.append(copy_bandwidth(self.device))
+            for c in timed if r % 2 == 0 else reversed(timed):
+                c.us.append(statistics.median(_time(c.record, c.launches, self.repeats)))
+            self.log(f"# round {r + 1}/{rounds}: copy {self.copy_bw[-1] / 1e9:.0f} GB/s, {len(timed)} cases, "
+                     f"{time.time() - t0:.1f} s")  # fmt: skip
+
+    def report(self) -> list[dict[str, Any]]:
+        """The table (median over rounds, min and max, spread = (max - min) / median) and the JSON rows."""
+        copy_bw = statistics.median(self.copy_bw) if self.copy_bw else float("nan")
+        self.log(f"copy bandwidth (D2D 1 GiB, read + write), median of {len(self.copy_bw)} rounds: "
+                 f"{copy_bw / 1e9:.0f} GB/s")  # fmt: skip
+        self.log(f"{'kernel':30s} {'m':>4s} {'us':>9s} {'min':>9s} {'max':>9s} {'spr%':>5s} {'GB/s':>7s} "
+                 f"{'%copy':>6s} {'err':>8s}  knobs")  # fmt: skip
+        rows = []
+        for c in self.cases:
+            us = statistics.median(c.us) if c.us else float("nan")
+            lo, hi = (min(c.us), max(c.us)) if c.us else (float("nan"), float("nan"))
+            spread = 100 * (hi - lo) / us
+            gbps = c.spec.bytes_moved({"m": c.m}) / (us * 1e-6) / 1e9
+            pct = 100 * gbps * 1e9 / copy_bw
+            knobs = ",".join(f"{k}={v}" for k, v in c.entry["knobs"].items())
+            status = "" if not c.problems else "  MISMATCH " + c.problems[0]
+            self.log(f"{c.entry['label']:30s} {c.m:4d} {us:9.2f} {lo:9.2f} {hi:9.2f} {spread:5.1f} {gbps:7.0f} "
+                     f"{pct:6.1f} {c.err:8.1e}  {knobs}{status}")  # fmt: skip
+            rows.append({"label": c.entry["label"], "kernel": c.spec.name, "m": c.m, "us": us, "us_min": lo,
+                         "us_max": hi, "spread_pct": spread, "us_rounds": c.us, "gbps": gbps, "pct_copy": pct,
+                         "max_rel_err": c.err, "ok": not c.problems, "knobs": c.entry["knobs"]})  # fmt: skip
+        return rows
+
+    def close(self) -> None:
+        for p in self.buffers:
+            self.device.free(p)
+        self.buffers = []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -297,13 +390,19 @@ def run(args: argparse.Namespace) -> int:
         s = e["spec"]
         groups.setdefault((s["op"], s["n"], s["k"], s["weight_dtype"], s["out_dtype"]), []).append(e)
     rng = np.random.default_rng(0)
-    for (op, n, k, wdtype, out_dtype), members in groups.items():
-        bench.group(LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype, out_dtype=out_dtype), members, rng)
-    failed = sum(not r["ok"] for r in bench.results)
-    log(f"copy bandwidth (D2D 1 GiB, read + write): {bench.copy_bw / 1e9:.0f} GB/s")
-    log(f"{len(bench.results) - failed}/{len(bench.results)} checks match numpy")
+    try:
+        for (op, n, k, wdtype, out_dtype), members in groups.items():
+            bench.group(LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype, out_dtype=out_dtype), members, rng)
+        bench.measure(args.rounds)
+    finally:
+        bench.close()
+    rows = bench.report()
+    failed = sum(not r["ok"] for r in rows)
+    log(f"{len(rows) - failed}/{len(rows)} checks match numpy")
     if args.json:
-        payload = {"device": bench.device.name, "copy_gbps": bench.copy_bw / 1e9, "results": bench.results}
+        payload = {"device": bench.device.name, "rounds": args.rounds,
+                   "copy_gbps": statistics.median(bench.copy_bw) / 1e9 if bench.copy_bw else float("nan"),
+                   "copy_gbps_rounds": [bw / 1e9 for bw in bench.copy_bw], "results": rows}  # fmt: skip
         Path(args.json).write_text(json.dumps(payload, indent=1))
     return 1 if failed else 0
 
@@ -315,10 +414,12 @@ def main() -> int:
     b.add_argument("--target", default="sm_90")
     b.add_argument("--sweep", action="store_true", help="add knob variants of the big shapes")
     b.add_argument("--small", action="store_true", help="add warps/unroll variants of the block-row layers")
+    b.add_argument("--gemm", action="store_true", help="only GEMM mode (x_stages) vs GEMV mode at 16-256 rows")
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
     r.add_argument("bundle")
-    r.add_argument("--repeats", type=int, default=30)
+    r.add_argument("--repeats", type=int, default=30, help="graph replays per case and round (their median)")
+    r.add_argument("--rounds", type=int, default=5, help="rounds of timing every case once, round-robin")
     r.add_argument("--only", nargs="*", default=(), help="substrings of the labels to run (default: all)")
     r.add_argument("--log", help="also write the table here")
     r.add_argument("--json", help="also write the results here as JSON")

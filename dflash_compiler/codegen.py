@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dflash_compiler.dependent_launch import add_dependent_launch
 from dflash_compiler.errors import DFlashError
+from dflash_compiler.fp8_convert import PRELUDE as FP8_PRELUDE
 from dflash_compiler.runtime.expr import evaluate, expression_names
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -156,7 +157,7 @@ def lower_with_ir(mod: Any, target: Any) -> tuple[CudaModule, Any]:
     imports = executable.mod.imports
     if not imports:
         raise CodegenError("TVM produced no device module: the IRModule holds no kernel")
-    source = add_dependent_launch(imports[0].inspect_source())
+    source = FP8_PRELUDE + add_dependent_launch(imports[0].inspect_source())
     functions = _kernel_table(capture.mod)
     missing = [n for n in names if n not in functions]
     if missing:
@@ -331,7 +332,7 @@ class _ExprConverter:
         if isinstance(e, E.Select):
             return f"({self.conv(e.true_value)} if {self.conv(e.condition)} else {self.conv(e.false_value)})"
         if isinstance(e, E.Cast):
-            src, dst = str(e.value.dtype), str(e.dtype)
+            src, dst = str(e.value.ty), str(e.ty)
             if dst.startswith(("int", "uint")) and src.startswith(("int", "uint")):
                 return self.conv(e.value)
             if dst.startswith(("int", "uint")) and src == "bool":

@@ -46,6 +46,7 @@ from .attention import (
     split_span_macro,
 )
 from .base import FamilyRule, Kernel, OpInstance, ScheduleError
+from .mma import mma_m16n8k16
 
 WARP = 32
 CHUNK = 16  # keys per chunk: the k of the P·V mma, two n-tiles of the Q·Kᵀ mma
@@ -106,6 +107,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     masked = spec.causal or spec.window is not None
     split_span = split_span_macro(spec, splits, CHUNK)
     full = T.uint32(0xFFFFFFFF)
+    mma = mma_m16n8k16()
 
     @T.macro
     def fetch_chunk(kr, vr, kv, k, v, table, s, g, n, first, end, lane):
@@ -150,13 +152,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         for nt in T.unroll(2):
             for st in T.unroll(steps):
                 for j in T.unroll(2):
-                    T.evaluate(
-                        T.ptx_legacy.mma(
-                            "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                            qf.data, (st * 2 + j) * 8, kb.data, (nt * steps + st) * 8 + 4 * j, sacc.data, nt * 4,
-                            False, dtype="float32",
-                        )
-                    )  # fmt: skip
+                    mma(qf, (st * 2 + j) * 8, kb, (nt * steps + st) * 8 + 4 * j, sacc, nt * 4)
         # scores in base 2; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2
         for nt in T.unroll(2):
             for e in T.unroll(4):
@@ -206,12 +202,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
             for kk in T.unroll(4):
                 vb[j * 4 + kk] = vl[kk, j]
         for j in T.unroll(vcols):
-            T.evaluate(
-                T.ptx_legacy.mma(
-                    "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                    pa.data, 0, vb.data, j * 4, oacc.data, j * 4, False, dtype="float32",
-                )
-            )  # fmt: skip
+            mma(pa, 0, vb, j * 4, oacc, j * 4)
 
     @T.macro
     def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):

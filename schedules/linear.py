@@ -26,7 +26,7 @@ from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
 
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError
-from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func
+from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
 BF16, FP8, F32 = "bfloat16", "float8_e4m3fn", "float32"
@@ -216,15 +216,18 @@ class LinearMmaRule(FamilyRule):
     """Linears on tensor cores (targets with bf16 mma; k a multiple of 32, or 64 for FP8 weights).
 
     Knobs: `warps` per block (they split k), `row_tiles` (16-row weight tiles per block), `unroll` (k steps
-    per batch of loads), `stages` (1: load a batch, then multiply it; 2: double buffer) and `m_tile` (rows
-    of x per pass over the weight, a multiple of 8). `warps` and `unroll` are upper bounds: the largest
-    values that divide the k steps evenly are used, and the Kernel reports the values used.
+    per batch of loads), `stages` (1: load a batch, then multiply it; 2: double buffer), `m_tile` (rows
+    of x per pass over the weight, a multiple of 8) and `x_stages` (0: x fragments straight from global
+    memory into registers, the GEMV mode; n >= 1: x through a ring of n shared-memory slots, the GEMM
+    mode, which keeps the registers for accumulators so that m_tile can cover 64-256 rows and the weight
+    is streamed once). `warps` and `unroll` are upper bounds: the largest values that divide the k steps
+    evenly are used, and the Kernel reports the values used.
     """
 
     name = "linear_mma"
-    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages")
-    # FP8 weights: a k step is 64 wide, so its x fragments take twice the registers; double-buffering
-    # them would need ~250 registers per thread, so one stage and more warps keep the loads in flight.
+    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
+    # FP8 weights in GEMV mode: a k step is 64 wide, so its x fragments take twice the registers; double-
+    # buffering them would need ~250 registers per thread, so one stage and more warps keep loads in flight.
     FP8_DEFAULTS: ClassVar[dict[str, int]] = {"warps": 8, "stages": 1}
 
     def default_knobs(self, target: Target) -> dict[str, int]:
@@ -238,6 +241,8 @@ class LinearMmaRule(FamilyRule):
             "unroll": 4,
             "m_tile": 16,
             "stages": 2,
+            "x_stages": 0,
+            "n_warps": 1,
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -247,10 +252,23 @@ class LinearMmaRule(FamilyRule):
         spec = self.spec_of(subject)
         if spec is None or not mma_fits(spec, target):
             return None
-        chosen = self.resolve_knobs(target, {**(self.FP8_DEFAULTS if spec.fp8 else {}), **(knobs or {})})
-        plan = fit_mma_plan(spec, target, chosen)
+        plan = fit_mma_plan(spec, target, self.knobs_for(spec, target, knobs))
         return Kernel(name=spec.name, func=mma_gemv_func(spec, plan), reference=spec.prim_func(), rule=self.name,
                       knobs=plan.knobs(), spec=spec)  # fmt: skip
+
+    def gemm_defaults(self, target: Target) -> dict[str, int]:
+        """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
+        its weight with 4 warps like bf16 (~170-195 registers at m_tile 128), and m_tile is the largest of
+        128 and 64 whose double-buffered x ring (x_stages x m_tile x warps x 64 B) lets three blocks share
+        an SM: 128 on sm_90 (64 KiB of 228), 64 on sm_120/121 (32 KiB of 100)."""
+        m_tile = 128 if 3 * x_ring_bytes(2, 128, 4) <= target.shared_memory_per_sm else 64
+        return {"warps": 4, "stages": 2, "m_tile": m_tile}
+
+    def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
+        """The target's defaults, then the GEMM-mode or FP8 ones, then `knobs`."""
+        gemm = self.resolve_knobs(target, knobs)["x_stages"] > 0  # also refuses unknown names and non-ints
+        mode = self.gemm_defaults(target) if gemm else self.FP8_DEFAULTS if spec.fp8 else {}
+        return self.resolve_knobs(target, {**mode, **(knobs or {})})
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
         return mma_gemv_func(spec, fit_mma_plan(spec, target, knobs))
@@ -263,11 +281,12 @@ def mma_fits(spec: LinearSpec, target: Target) -> bool:
 def fit_mma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> MmaPlan:
     """The knobs fitted to `spec`: divisors of the k steps, checked against the target's limits."""
     warps, row_tiles, unroll, m_tile = knobs["warps"], knobs["row_tiles"], knobs["unroll"], knobs["m_tile"]
-    stages = knobs["stages"]
+    stages, x_stages, n_warps = knobs["stages"], knobs["x_stages"], knobs["n_warps"]
     rule = LinearMmaRule.name
-    if warps < 1 or WARP * warps > target.max_threads_per_block:
+    if warps < 1 or n_warps < 1 or WARP * warps * n_warps > target.max_threads_per_block:
         raise ScheduleError(
-            f"{rule} knob warps={warps}: expected 1 to {target.max_threads_per_block // WARP} on {target.name}"
+            f"{rule} knobs warps={warps} x n_warps={n_warps}: expected positive values with at most "
+            f"{target.max_threads_per_block // WARP} warps per block on {target.name}"
         )
     if row_tiles < 1 or unroll < 1:
         raise ScheduleError(f"{rule} knobs row_tiles={row_tiles}, unroll={unroll}: expected positive values")
@@ -275,24 +294,41 @@ def fit_mma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> 
         raise ScheduleError(f"{rule} knob m_tile={m_tile}: expected a positive multiple of 8")
     if stages not in (1, 2):
         raise ScheduleError(f"{rule} knob stages={stages}: expected 1 (load, then multiply) or 2 (double buffer)")
+    if not 0 <= x_stages <= 8:
+        raise ScheduleError(
+            f"{rule} knob x_stages={x_stages}: expected 0 (x into registers) or 1 to 8 shared-memory slots"
+        )
+    if n_warps > 1 and x_stages == 1:
+        raise ScheduleError(
+            f"{rule} knobs n_warps={n_warps}, x_stages=1: warps that share x need a ring of at least 2 slots "
+            "(one is copied while the other is read). Fix: x_stages >= 2, or n_warps 1"
+        )
+    if (m_tile // 8) % n_warps:
+        raise ScheduleError(
+            f"{rule} knobs m_tile={m_tile}, n_warps={n_warps}: the n warps split the m_tile / 8 = {m_tile // 8} "
+            "row groups of x evenly. Fix: an n_warps that divides m_tile / 8"
+        )
     steps = spec.k // mma_step(spec)
     warps = _largest_divisor(steps, warps)
     unroll = _largest_divisor(steps // warps, unroll)
-    row_tiles = min(row_tiles, -(-spec.n // MMA_ROWS))  # no block wider than the weight
+    row_tiles = min(row_tiles, -(-spec.n // MMA_ROWS))  # no warp wider than the weight
     plan = MmaPlan(warps=warps, row_tiles=row_tiles, unroll=unroll, m_tile=m_tile, stages=stages,
-                   vector=16 // ITEM_BYTES[spec.weight_dtype])  # fmt: skip
-    if plan.shared_bytes() > target.max_static_shared_memory_per_block:
+                   vector=16 // ITEM_BYTES[spec.weight_dtype], x_stages=x_stages, n_warps=n_warps)  # fmt: skip
+    # GEMV mode: static shared memory (partial sums only); GEMM mode: dynamic, up to the opt-in size
+    limit = target.max_shared_memory_per_block if x_stages else target.max_static_shared_memory_per_block
+    if plan.shared_bytes() > limit:
         raise ScheduleError(
-            f"{rule}: warps {warps} x m_tile {m_tile} x {plan.block_rows} rows of f32 partial sums need "
-            f"{plan.shared_bytes()} bytes of shared memory; {target.name} allows "
-            f"{target.max_static_shared_memory_per_block} static. Fix: lower warps, m_tile or row_tiles"
+            f"{rule}: warps {warps} x m_tile {m_tile} need {plan.shared_bytes()} bytes of shared memory ("
+            f"{plan.reduction_bytes()} of f32 partial sums for {plan.block_rows} rows, {plan.x_ring_bytes()} of "
+            f"x ring for x_stages {x_stages}); {target.name} allows {limit} "
+            f"{'dynamic' if x_stages else 'static'}. Fix: lower warps, m_tile, row_tiles or x_stages"
         )
     registers = _register_estimate(plan)
     if registers > target.max_registers_per_thread:
         raise ScheduleError(
-            f"{rule}: unroll {unroll} x row_tiles {row_tiles} with m_tile {m_tile} needs about {registers} "
-            f"registers per thread; {target.name} allows {target.max_registers_per_thread}. "
-            "Fix: lower unroll, row_tiles or m_tile"
+            f"{rule}: unroll {unroll} x row_tiles {row_tiles} with m_tile {m_tile} (x_stages {x_stages}) needs "
+            f"about {registers} registers per thread; {target.name} allows {target.max_registers_per_thread}. "
+            "Fix: lower unroll, stages, row_tiles or m_tile"
         )
     return plan
 
@@ -302,11 +338,19 @@ def _largest_divisor(total: int, at_most: int) -> int:
 
 
 def _register_estimate(plan: MmaPlan) -> int:
-    """32-bit registers the fragments take (loads in flight, A/B fragments, accumulators) plus addressing."""
+    """32-bit registers the fragments take (loads in flight, A/B fragments, accumulators) plus addressing.
+
+    GEMV mode holds the x fragments of `stages` batches. GEMM mode holds one x vector (4 registers, twice
+    for the copy into the mma's operand) plus about one register per row group (its predicate, the shared
+    loads ptxas hoists), so beyond that its registers grow with m_tile through the accumulators. ptxas
+    (NVRTC 13.5, 4 warps) used 147-158 registers at m_tile 64, 168-195 at 128 and 168-183 at 256 with
+    unroll 1 and one stage; 2 warps at 256 took 222-255, FP8 spilling 12-44 bytes.
+    """
     weight = plan.stages * plan.unroll * plan.row_tiles * 2 * 4  # 16-byte loads, 4 registers each
-    x = plan.stages * plan.unroll * (plan.m_tile // 8) * plan.vector // 2
+    groups = plan.m_tile // 8
+    x = 16 + groups if plan.x_stages else plan.stages * plan.unroll * groups * plan.vector // 2
     frag_a = plan.row_tiles * (plan.vector // 4) * 4
-    acc = plan.row_tiles * (plan.m_tile // 8) * 4
+    acc = plan.row_tiles * groups * 4
     return weight + x + frag_a + acc + 32
 
 

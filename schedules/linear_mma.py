@@ -1,36 +1,63 @@
-"""Tensor-core GEMV for the linear family: `mma.sync.m16n8k16` bf16 → f32 with the weight as the A operand.
+"""Tensor-core linear kernel: `mma.sync.m16n8k16` bf16 → f32 with the weight as the A operand.
 
-The drafter's linears have few rows (m = 16…64 block rows, ~7 context rows) and large weights, so the kernel
-is a weight stream: every weight byte is read once, and the rows of `x` ride along as the mma's 8-wide N
-dimension ("swap AB": `y^T[n, m] = W[n, k] @ x^T[k, m]`). SIMT FMAs cannot keep up at m = 16 (16 FMAs per
-weight element is the whole FP32 rate of an H200); one m16n8k16 does 2048 of them.
+The drafter's linears have few rows (m = 16…256 block rows, ~7 context rows) and large weights, so the
+kernel is a weight stream: the rows of `x` ride along as the mma's 8-wide N dimension ("swap AB":
+`y^T[n, m] = W[n, k] @ x^T[k, m]`). SIMT FMAs cannot keep up at m = 16 (16 FMAs per weight element is the
+whole FP32 rate of an H200); one m16n8k16 does 2048 of them.
 
 Layout (one warp, lane = 4·g + t): the A fragment of an m16n8k16 holds, per thread, the pairs at logical
 columns {2t, 2t+1} and {2t+8, 2t+9} of rows g and g+8; the B fragment holds the same logical k rows of
-column g. The sum over k does not care about the order of k, so logical k is mapped onto memory such that
-each thread's share of a `4·V`-wide k step is V *contiguous* elements (V = 16 bytes of weight: 8 bf16 or 16
-e4m3): mma j of the step takes logical 2t+e ↦ t·V + 4j + e and 2t+8+e ↦ t·V + 4j + 2 + e. The weight and `x`
-both follow the map, so every global load is one 16-byte vector per thread, and the B fragment of mma j is
-simply elements [4j, 4j+4) of the thread's `x` vector.
+column g; accumulator e holds row g + 8·(e // 2), column 2t + e % 2. The sum over k does not care about the
+order of k, so logical k is mapped onto memory such that each thread's share of a `4·V`-wide k step is V
+*contiguous* elements (V = 16 bytes of weight: 8 bf16 or 16 e4m3): mma j of the step takes logical
+2t+e ↦ t·V + 4j + e and 2t+8+e ↦ t·V + 4j + 2 + e. The weight and `x` both follow the map, so every global
+load is one 16-byte vector per thread, and the B fragment of mma j is simply elements [4j, 4j+4) of the
+thread's `x` (8 bf16 per 16-byte x vector: x vector i feeds mmas 2i and 2i + 1).
 
-Work split: a block of `warps` warps owns `16·row_tiles` weight rows; its warps split k (each warp a
-contiguous range of k steps) and their partial sums meet in shared memory, where the block adds them,
-applies the FP8 per-row scale and stores. A warp issues the loads of `unroll` k steps (weight and x) as one
-batch before any mma of it; with `stages` = 2 the next batch's loads are in flight while the current one
-is multiplied (two register buffers, a loop unrolled by two so every buffer index is static). Rows of `x`
-go `m_tile` at a time (a runtime loop over ceil(m / m_tile) passes over the block's weight); 8-row groups
-past m neither load nor multiply. Out-of-range rows (the ragged last block of weight rows, the last group
-of x rows) read a clamped, valid row instead: an mma's output row i depends only on A row i and output
-column j only on B column j, and those outputs are never stored. FP8 weights are converted to bf16 in
-registers (every e4m3 value is exact in bf16).
+Work split: a block is `warps` × `n_warps` warps and owns `16·row_tiles·n_warps` weight rows. Its n warps
+each own `16·row_tiles` of those rows; its k warps split k (each a contiguous range of k steps), and the
+partial sums of the k warps meet in shared memory, where the block adds them, applies the FP8 per-row
+scale and stores. A warp issues the weight loads of `unroll` k steps as one batch
+before any mma of it; with `stages` = 2 the next batch's loads are in flight while the current one is
+multiplied (two register buffers, a loop unrolled by two so every buffer index is static). Rows of `x` go
+`m_tile` at a time: a runtime loop over ceil(m / m_tile) passes, each streaming the block's weight again,
+and 8-row groups past m neither load nor multiply. Out-of-range weight rows (the ragged last block) read
+a clamped, valid row: an mma's output row i depends only on A row i and output column j only on B column
+j, and those outputs are never stored. FP8 weights are converted to bf16 in registers (every e4m3 value
+is exact in bf16), four bytes per call of the integer conversion in fp8_convert.py.
+
+Where `x` goes is the `x_stages` knob:
+
+* 0, GEMV mode: the x fragments of a batch are loaded with its weight, straight into registers. Those
+  registers (stages · unroll · m_tile / 8 · V / 2) cap m_tile at 16-32, so m = 128 re-streams the weight
+  eight times.
+* n >= 1, GEMM mode (m_tile 64-256, the weight streamed once for up to m_tile rows): the registers hold
+  the accumulators (row_tiles · m_tile / 8 · 4 floats) and x goes through shared memory. Each thread copies
+  the 16-byte x vectors it will use as B fragments with `cp.async` (global → shared: a copy in flight costs
+  no register) into its own slots of a ring [n, m_tile / 8 row groups, warps, 32 threads, 16 B], n - 1 x
+  vectors ahead of the one it multiplies, and reads each back with one 16-byte load per row group (a warp
+  reads 512 contiguous bytes: no bank conflict). A thread reads only what it copied itself, so
+  `cp.async.wait_group` orders it and the k loop needs no barrier. Shared memory brings no reuse here
+  (every x element feeds one thread of one warp); it is the landing buffer that lets the loads fly
+  without registers. The ring advances per x vector rather than per weight batch, so it holds n vectors,
+  not stages · unroll steps: 64 KiB for m_tile 128, 4 warps and n = 2. In the last row group the rows past
+  m are zero-filled (`cp.async` ignore-src) instead of clamped, which keeps one x address per thread
+  rather than one per row group. The partial sums are laid over the ring (TVM merges the two dynamic
+  shared buffers; a barrier after the last x read separates them), so a block needs the larger of the two.
+  Every block reads its k range of all m rows of x, so x crosses from L2 m / (16 · row_tiles · n_warps)
+  times the weight's bytes (8 times at m = 128 with one row tile and one n warp), which can bound the speed
+  at large m rather than DRAM. More n warps cut that: the n warps of a k slice need the same x, so each
+  copies a share of the row groups (warp j: groups j, j + n_warps, ...) and reads all of them, which needs
+  a block barrier per x vector (after waiting for its own copies, before the next copy reuses the slot
+  everyone has finished reading) and a ring of at least two slots.
 
 Before it reads `x`, every thread prefetches its first `stages · unroll` weight vectors into L2 and then
 waits for the grid that wrote `x` (programmatic dependent launch, dependent_launch.py), so under a
 dependent launch the weight stream starts while the previous kernel drains.
 
-The kernel is written as TVMScript with explicit thread bindings and `T.ptx_legacy.mma`; TVM generates the
-CUDA. It is not derived from the spec's TE computation (that stays the CPU oracle); it is checked against
-the spec's numpy reference on the GPU (bench/linear.py).
+The kernel is written as TVMScript with explicit thread bindings, `T.ptx_legacy.mma` and `T.ptx` cp.async;
+TVM generates the CUDA. It is not derived from the spec's TE computation (that stays the CPU oracle); it is
+checked against the spec's numpy reference on the GPU (bench/linear.py).
 """
 
 from __future__ import annotations
@@ -39,6 +66,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
+from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
+
+from .mma import mma_m16n8k16
 
 if TYPE_CHECKING:
     from .linear import LinearSpec
@@ -50,14 +80,21 @@ MMA_COLS = 8  # rows of x per m16n8k16 (its N)
 
 @dataclass(frozen=True)
 class MmaPlan:
-    """The resolved shape of one tensor-core GEMV kernel (knobs after fitting them to the spec)."""
+    """The resolved shape of one tensor-core linear kernel (knobs after fitting them to the spec)."""
 
-    warps: int  # warps per block; they split k
-    row_tiles: int  # 16-row weight tiles per block (every warp of the block works on all of them)
+    warps: int  # warps per block along k: they split k
+    row_tiles: int  # 16-row weight tiles per warp (every k warp of the block works on all of its n slice)
     unroll: int  # k steps of weight loads a warp issues before its first mma of the batch
     m_tile: int  # rows of x per pass (a multiple of 8)
     stages: int  # 1: load a batch, then multiply it; 2: the next batch's loads fly during the multiplies
     vector: int  # weight elements per 16-byte load (8 bf16, 16 e4m3)
+    x_stages: int = 0  # 0: x fragments straight into registers; n: through a ring of n shared-memory slots
+    n_warps: int = 1  # warps per block along n, each with its own row_tiles; in GEMM mode they share x
+
+    @property
+    def x_vectors(self) -> int:
+        """16-byte vectors of x (8 bf16) per thread, row group and k step."""
+        return self.vector // 8
 
     @property
     def step_k(self) -> int:
@@ -66,16 +103,39 @@ class MmaPlan:
 
     @property
     def block_rows(self) -> int:
-        return MMA_ROWS * self.row_tiles
+        return MMA_ROWS * self.row_tiles * self.n_warps
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps * self.n_warps
 
     def knobs(self) -> dict[str, int]:
         """The plan as the rule's knob values (what the Kernel reports)."""
         return {"warps": self.warps, "row_tiles": self.row_tiles, "unroll": self.unroll, "m_tile": self.m_tile,
-                "stages": self.stages}  # fmt: skip
+                "stages": self.stages, "x_stages": self.x_stages, "n_warps": self.n_warps}  # fmt: skip
+
+    def reduction_bytes(self) -> int:
+        """The f32 partial sums of every k warp: [warps, m_tile, block_rows]."""
+        return 4 * self.warps * self.m_tile * self.block_rows
+
+    def x_ring_bytes(self) -> int:
+        return x_ring_bytes(self.x_stages, self.m_tile, self.warps)
 
     def shared_bytes(self) -> int:
-        """The f32 partial sums of every warp: [warps, m_tile, block_rows]."""
-        return 4 * self.warps * self.m_tile * self.block_rows
+        """Shared memory per block. With x in shared memory both buffers are dynamic. With one n warp TVM
+        lays the partial sums over the x ring (they are never live at once: a barrier separates the last x
+        read from the first partial sum), so the block needs the larger of the two; with barriers inside
+        the k loop (n warps sharing x) TVM's merge keeps them apart, so it needs their sum."""
+        if not self.x_stages:
+            return self.reduction_bytes()
+        if self.n_warps == 1:
+            return max(self.x_ring_bytes(), self.reduction_bytes())
+        return self.x_ring_bytes() + self.reduction_bytes()
+
+
+def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
+    """The x ring: [x_stages, m_tile / 8 row groups, k warps, 32 threads, 16 bytes]."""
+    return x_stages * (m_tile // MMA_COLS) * warps * WARP * 16
 
 
 def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
@@ -91,35 +151,91 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
     stages = plan.stages
     m_groups = m_tile // MMA_COLS
     mmas_per_step = vec // 4  # 16 logical k per mma, 4 physical k per thread per mma
-    x_vectors = vec // 8  # 16-byte loads of x (bf16) per step
+    x_vectors = plan.x_vectors  # 16-byte vectors of x (bf16) per step; each feeds 2 mmas
+    x_stages = plan.x_stages
+    x_ahead = max(x_stages - 1, 0)  # x vectors in flight while one is multiplied
+    x_units = steps_per_warp * x_vectors  # x vectors per thread and row group over the warp's k range
     blocks = -(-n // block_rows)
-    threads = WARP * warps
+    n_warps = plan.n_warps
+    warp_rows = MMA_ROWS * row_tiles  # weight rows of one warp
+    threads = plan.threads
     outputs = m_tile * block_rows
     out_rounds = -(-outputs // threads)
     frag_a = row_tiles * mmas_per_step * 8
     prefetch_steps = min(stages * unroll, steps_per_warp)
+    if x_stages:  # x ring [slot, row group, k warp, thread, 8]; one x vector at a time in registers
+        smem, xs_shape, xl_shape, bf_size = "shared.dyn", (x_stages, m_groups, warps, WARP, 8), (8,), 8
+    else:  # every x vector of `stages` batches in registers; no ring (a dummy never touched)
+        smem, xs_shape, xl_shape, bf_size = "shared", (1,), (stages, unroll, m_groups, vec), m_groups * vec
+    xs_scope = smem if x_stages else "local"
     symbol = spec.name
+    mma = mma_m16n8k16()
 
     @T.macro
     def load_batch(x, w, m, wl, xl, bx, ty, tx, mc, slot, batch):
-        # every load of `unroll` k steps (weight and x) before any mma: that many 16-byte loads in flight
+        # every load of `unroll` k steps (weight, and x unless it goes through shared memory) before any mma
         for u in T.unroll(unroll):
             for rt in T.unroll(row_tiles):
                 for h in T.unroll(2):
                     for v in T.vectorized(vec):
                         # rows past n (ragged last block) read row n-1: mma row i only feeds output row i
                         wl[slot, u, rt, h, v] = w[
-                            T.min(bx * block_rows + rt * 16 + h * 8 + tx // 4, n - 1),
-                            (ty * steps_per_warp + batch * unroll + u) * step_k + tx % 4 * vec + v,
+                            T.min(bx * block_rows + ty // warps * warp_rows + rt * 16 + h * 8 + tx // 4, n - 1),
+                            (ty % warps * steps_per_warp + batch * unroll + u) * step_k + tx % 4 * vec + v,
                         ]
-            for mg in T.unroll(m_groups):
-                if mc * m_tile + mg * 8 < m:  # warp-uniform: 8-row groups past m load nothing
-                    for xv in T.unroll(x_vectors):
-                        for v in T.vectorized(8):
-                            # rows past m read row m-1: mma column j only feeds output row j, never stored
-                            xl[slot, u, mg, xv * 8 + v] = x[
-                                T.min(mc * m_tile + mg * 8 + tx // 4, m - 1),
-                                (ty * steps_per_warp + batch * unroll + u) * step_k + tx % 4 * vec + xv * 8 + v,
+            if x_stages == 0:
+                for mg in T.unroll(m_groups):
+                    if mc * m_tile + mg * 8 < m:  # warp-uniform: 8-row groups past m load nothing
+                        for xv in T.unroll(x_vectors):
+                            for v in T.vectorized(8):
+                                # rows past m read row m-1: mma column j only feeds output row j, never stored
+                                xl[slot, u, mg, xv * 8 + v] = x[
+                                    T.min(mc * m_tile + mg * 8 + tx // 4, m - 1),
+                                    (ty % warps * steps_per_warp + batch * unroll + u) * step_k
+                                    + tx % 4 * vec
+                                    + xv * 8
+                                    + v,
+                                ]
+
+    @T.macro
+    def stage_x(x, m, xs, ty, tx, mc, unit):
+        # x vector `unit` of the warp's k range (step unit // x_vectors), one async 16-byte copy per row group
+        # into ring slot unit % x_stages; the n warps of a k slice split the row groups (warp j copies
+        # groups j, j + n_warps, ...), so with one n warp a thread copies exactly what it reads back
+        if unit < x_units:
+            for mi in T.unroll(m_groups // n_warps):
+                if mc * m_tile + (mi * n_warps + ty // warps) * 8 < m:
+                    T.evaluate(T.ptx["cp.async.ca.shared.global"](
+                        T.address_of(xs[unit % x_stages, mi * n_warps + ty // warps, ty % warps, tx, 0]),
+                        T.address_of(x[
+                            mc * m_tile + (mi * n_warps + ty // warps) * 8 + tx // 4,
+                            (ty % warps * steps_per_warp + unit // x_vectors) * step_k + tx % 4 * vec
+                            + unit % x_vectors * 8,
+                        ]),
+                        16,
+                        mc * m_tile + (mi * n_warps + ty // warps) * 8 + tx // 4 >= m,
+                    ))  # fmt: skip
+        T.evaluate(T.ptx["cp.async.commit_group"]())  # one group per unit, empty or not: wait_group counts them
+
+    @T.macro
+    def a_fragments(wl, af, slot, u, j0, count):
+        # A fragment of mma j: pair c = 0..3 holds row g (c even) or g+8 (c odd) at physical 4j + {0,1}
+        # (c < 2) or 4j + {2,3}; FP8 converts each row's 4 bytes into its two pairs at once
+        for rt in T.unroll(row_tiles):
+            for j in T.unroll(j0, j0 + count):
+                if fp8:
+                    for h in T.unroll(2):
+                        T.evaluate(T.call_extern(
+                            "void", E4M3X4_TO_BF16,
+                            T.address_of(af[(rt * mmas_per_step + j) * 8 + h * 2]),
+                            T.address_of(af[(rt * mmas_per_step + j) * 8 + 4 + h * 2]),
+                            T.address_of(wl[slot, u, rt, h, 4 * j]),
+                        ))  # fmt: skip
+                else:
+                    for c in T.unroll(4):
+                        for e in T.unroll(2):
+                            af[(rt * mmas_per_step + j) * 8 + c * 2 + e] = wl[
+                                slot, u, rt, c % 2, 4 * j + c // 2 * 2 + e
                             ]
 
     @T.macro
@@ -130,36 +246,46 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
             for mg in T.unroll(m_groups):
                 for v in T.unroll(vec):
                     bf[mg * vec + v] = xl[slot, u, mg, v]
-            # A fragment of mma j: rows g, g+8 at physical 4j + {0,1}, then at 4j + {2,3} (FP8: converted)
-            for rt in T.unroll(row_tiles):
-                for j in T.unroll(mmas_per_step):
-                    for c in T.unroll(4):
-                        for e in T.unroll(2):
-                            af[(rt * mmas_per_step + j) * 8 + c * 2 + e] = T.Cast(
-                                "bfloat16", wl[slot, u, rt, c % 2, 4 * j + c // 2 * 2 + e]
-                            )
+            a_fragments(wl, af, slot, u, 0, mmas_per_step)
             for mg in T.unroll(m_groups):
                 if mc * m_tile + mg * 8 < m:
                     for rt in T.unroll(row_tiles):
                         for j in T.unroll(mmas_per_step):
-                            T.evaluate(
-                                T.ptx_legacy.mma(
-                                    "m16n8k16",
-                                    "row",
-                                    "col",
-                                    "bf16",
-                                    "bf16",
-                                    "fp32",
-                                    af.data,
-                                    (rt * mmas_per_step + j) * 8,
-                                    bf.data,
-                                    mg * vec + 4 * j,
-                                    acc.data,
-                                    (rt * m_groups + mg) * 4,
-                                    False,
-                                    dtype="float32",
-                                )
-                            )
+                            mma(af, (rt * mmas_per_step + j) * 8, bf, mg * vec + 4 * j, acc, (rt * m_groups + mg) * 4)
+
+    @T.macro
+    def compute_batch_shared(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, slot, batch):
+        # per x vector: start the copy x_ahead vectors ahead, wait for this one, then per row group read the
+        # B fragments of its two mmas from shared memory (the weight's A fragments serve every group)
+        for u in T.unroll(unroll):
+            for xv in T.unroll(x_vectors):
+                if n_warps == 1:
+                    stage_x(x, m, xs, ty, tx, mc, (batch * unroll + u) * x_vectors + xv + x_ahead)
+                    T.evaluate(T.ptx["cp.async.wait_group"](x_ahead))
+                else:
+                    # the vector was copied by the k slice's n warps: wait for this thread's share, meet the
+                    # others (which also ends every read of the slot the next copy overwrites), then copy
+                    T.evaluate(T.ptx["cp.async.wait_group"](x_ahead - 1))
+                    T.tvm_storage_sync("shared")
+                    stage_x(x, m, xs, ty, tx, mc, (batch * unroll + u) * x_vectors + xv + x_ahead)
+                a_fragments(wl, af, slot, u, xv * 2, 2)
+                for mg in T.unroll(m_groups):
+                    if mc * m_tile + mg * 8 < m:
+                        for v in T.vectorized(8):
+                            xl[v] = xs[((batch * unroll + u) * x_vectors + xv) % x_stages, mg, ty % warps, tx, v]
+                        for v in T.unroll(8):
+                            bf[v] = xl[v]  # scalar copy: see compute_batch
+                        for rt in T.unroll(row_tiles):
+                            for jj in T.unroll(2):
+                                mma(af, (rt * mmas_per_step + xv * 2 + jj) * 8, bf, 4 * jj, acc,
+                                    (rt * m_groups + mg) * 4)  # fmt: skip
+
+    @T.macro
+    def compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, slot, batch):
+        if x_stages == 0:
+            compute_batch(m, mc, wl, xl, af, bf, acc, slot)
+        else:
+            compute_batch_shared(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, slot, batch)
 
     @T.macro
     def store_output(scale, y, m, bx, mc, red, total, idx):
@@ -173,49 +299,66 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
             y[mc * m_tile + idx // block_rows, bx * block_rows + idx % block_rows] = T.Cast(out_dtype, total[0])
 
     @T.macro
-    def chunk(x, w, scale, y, m, bx, ty, tx, mc, red, wl, xl, af, bf, acc, total):
+    def chunk(x, w, scale, y, m, bx, ty, tx, mc, red, xs, wl, xl, af, bf, acc, total):
         for rt in T.unroll(row_tiles):
             for mg in T.unroll(m_groups):
                 for e in T.unroll(4):
                     acc[rt, mg, e] = T.float32(0)
+        if x_stages > 0:
+            for i in T.unroll(x_ahead):
+                stage_x(x, m, xs, ty, tx, mc, i)
         if stages == 1:
             for b in range(batches):
                 load_batch(x, w, m, wl, xl, bx, ty, tx, mc, 0, b)
-                compute_batch(m, mc, wl, xl, af, bf, acc, 0)
+                compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, 0, b)
         else:
             # double buffer: the loads of batch b + 1 are in flight while batch b is multiplied
             load_batch(x, w, m, wl, xl, bx, ty, tx, mc, 0, 0)
             for b2 in range(batches // 2):
                 load_batch(x, w, m, wl, xl, bx, ty, tx, mc, 1, 2 * b2 + 1)
-                compute_batch(m, mc, wl, xl, af, bf, acc, 0)
+                compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, 0, 2 * b2)
                 if 2 * b2 + 2 < batches:
                     load_batch(x, w, m, wl, xl, bx, ty, tx, mc, 0, 2 * b2 + 2)
-                compute_batch(m, mc, wl, xl, af, bf, acc, 1)
+                compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, 1, 2 * b2 + 1)
             if batches % 2 == 1:
-                compute_batch(m, mc, wl, xl, af, bf, acc, 0)
+                compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, 0, batches - 1)
+        if x_stages > 0:
+            # the partial sums lie over the x ring: every copy has landed and every warp is past its last read
+            T.evaluate(T.ptx["cp.async.wait_all"]())
+            T.tvm_storage_sync("shared")
         # accumulator e holds weight row g + 8 * (e // 2) times x row 2t + e % 2
         for rt in T.unroll(row_tiles):
             for mg in T.unroll(m_groups):
-                for e in T.unroll(4):
-                    red[ty, mg * 8 + tx % 4 * 2 + e % 2, rt * 16 + e // 2 * 8 + tx // 4] = acc[rt, mg, e]
+                if x_stages == 0 or mc * m_tile + mg * 8 < m:  # GEMM mode: most groups may lie past m
+                    for e in T.unroll(4):
+                        red[
+                            ty % warps,
+                            mg * 8 + tx % 4 * 2 + e % 2,
+                            ty // warps * warp_rows + rt * 16 + e // 2 * 8 + tx // 4,
+                        ] = acc[rt, mg, e]
         T.tvm_storage_sync("shared")
-        for r in range(out_rounds):
-            store_output(scale, y, m, bx, mc, red, total, r * threads + ty * WARP + tx)
+        if x_stages == 0:
+            for r in range(out_rounds):
+                store_output(scale, y, m, bx, mc, red, total, r * threads + ty * WARP + tx)
+        else:
+            for r in range(T.ceildiv(T.min(m - mc * m_tile, m_tile) * block_rows, threads)):  # the pass's rows
+                store_output(scale, y, m, bx, mc, red, total, r * threads + ty * WARP + tx)
         T.tvm_storage_sync("shared")
 
     @T.macro
     def body(x, w, scale, y, m):
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
-            for ty in T.thread_binding(warps, thread="threadIdx.y"):
+            for ty in T.thread_binding(warps * n_warps, thread="threadIdx.y"):
                 for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                     with T.sblock("gemv"):
                         T.reads()
                         T.writes()
-                        red = T.sblock_alloc_buffer((warps, m_tile, block_rows), "float32", scope="shared")
+                        red = T.sblock_alloc_buffer((warps, m_tile, block_rows), "float32", scope=smem)
+                        xs = T.sblock_alloc_buffer(xs_shape, "bfloat16", scope=xs_scope)
                         wl = T.sblock_alloc_buffer((stages, unroll, row_tiles, 2, vec), wdtype, scope="local")
-                        xl = T.sblock_alloc_buffer((stages, unroll, m_groups, vec), "bfloat16", scope="local")
+                        xl = T.sblock_alloc_buffer(xl_shape, "bfloat16", scope="local")
+                        bf = T.sblock_alloc_buffer((bf_size,), "bfloat16", scope="local")
                         af = T.sblock_alloc_buffer((frag_a,), "bfloat16", scope="local")
-                        bf = T.sblock_alloc_buffer((m_groups * vec,), "bfloat16", scope="local")
                         acc = T.sblock_alloc_buffer((row_tiles, m_groups, 4), "float32", scope="local")
                         total = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         # weights are never written by a kernel: fetch the first batches into L2 before
@@ -224,12 +367,13 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
                             for rt in T.unroll(row_tiles):
                                 for h in T.unroll(2):
                                     T.evaluate(T.call_extern("void", PREFETCH_L2, T.address_of(w[
-                                        T.min(bx * block_rows + rt * 16 + h * 8 + tx // 4, n - 1),
-                                        (ty * steps_per_warp + u) * step_k + tx % 4 * vec,
+                                        T.min(bx * block_rows + ty // warps * warp_rows + rt * 16 + h * 8 + tx // 4,
+                                              n - 1),
+                                        (ty % warps * steps_per_warp + u) * step_k + tx % 4 * vec,
                                     ])))  # fmt: skip
                         T.evaluate(T.call_extern("void", WAIT))
                         for mc in range(T.ceildiv(m, m_tile)):
-                            chunk(x, w, scale, y, m, bx, ty, tx, mc, red, wl, xl, af, bf, acc, total)
+                            chunk(x, w, scale, y, m, bx, ty, tx, mc, red, xs, wl, xl, af, bf, acc, total)
 
     if spec.fp8:
 

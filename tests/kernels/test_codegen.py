@@ -307,6 +307,23 @@ def test_truncating_division_is_exact_for_negative_values():
         assert evaluate(mod, {"a": x, "b": y}) == x - y * q
 
 
+def test_integer_and_bool_casts_convert():
+    pytest.importorskip("tvm")
+    from tvm import tirx
+
+    from dflash_compiler.codegen import CodegenError, _ExprConverter
+
+    m = tirx.Var("m", "int32")
+    conv = _ExprConverter([])
+    widened = conv(tirx.Cast("int64", m * 3))
+    flag = conv(tirx.Cast("int32", m < 5) + 1)
+    for value in (0, 4, 5, 9):
+        assert evaluate(widened, {"m": value}) == value * 3
+        assert evaluate(flag, {"m": value}) == (2 if value < 5 else 1)
+    with pytest.raises(CodegenError, match="cannot express Cast"):
+        conv(tirx.Cast("float32", m))
+
+
 # ------------------------------------------------------------------------------------ NVRTC (needs TVM)
 
 

@@ -1,5 +1,6 @@
 """Every bundled drafter builds for every target: one kernel call per compute node, a cubin holding code
-for the target's SM (read from the ELF), and no kernel over the target's shared memory.
+for the target's SM (read from the ELF), and no kernel over the target's shared memory; so does the Qwen3-8B
+drafter with every tensor-core linear in GEMM mode (x through dynamic shared memory).
 
 Options are the serving shapes the benchmarks use (8 sequences, 4096 cached rows, 512 context rows per
 append), so the real-shape examples build the kernels they would deploy.
@@ -40,12 +41,31 @@ def programs():
 @pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
 @pytest.mark.parametrize("example", list_examples())
 def test_example_builds_for_target(programs, example, target):
-    from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
-    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
     from dflash_compiler.kernel_build import build_kernels
 
     program = programs(example)
-    build = build_kernels(program, target)
+    _check_build(program, build_kernels(program, target), target)
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+def test_gemm_mode_linears_build_for_target(programs, target):
+    """Every linear in the tensor-core kernel's GEMM mode (x through dynamic shared memory) still fits."""
+    from dflash_compiler.kernel_build import build_kernels
+
+    program = programs("qwen3-8b-dflash-b16")
+    build = build_kernels(program, target, knobs={"linear_mma": {"x_stages": 2}})
+    linears = [k for k in build.kernels.values() if k.rule == "linear_mma"]
+    assert linears and all(k.knobs["x_stages"] == 2 for k in linears)
+    for kernel in linears:
+        (launch,) = build.cuda.functions[kernel.name].kernels
+        assert int(launch.dynamic_smem) > 0, kernel.name
+    _check_build(program, build, target)
+
+
+def _check_build(program, build, target):
+    from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
+    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
+
     assert cubin_arch(build.cubin) == target.arch
     for phase, graph in program.phases.items():
         compute = [name for name in graph.topo() if graph.node(name).op not in BOUNDARY]

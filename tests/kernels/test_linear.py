@@ -1,6 +1,7 @@
 """Linear family (matmul, matmul_fp8, lm_head): the TE computation built for llvm matches the graph's numpy
 semantics; the rules recognise the drafter's nodes; both schedules lower for every target and the
-tensor-core GEMV compiles with NVRTC. Numbers on the GPU: bench/linear.py (H200 table in the report).
+tensor-core kernel compiles with NVRTC, in GEMV mode and in GEMM mode (x through shared memory) for every
+arch. Numbers on the GPU: bench/linear.py (H200 table in the report).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dflash_compiler.schedules.linear import (
     LinearGemvRule,
     LinearMmaRule,
     LinearSpec,
+    _register_estimate,
+    fit_mma_plan,
     random_weight,
     spec_of,
 )
@@ -176,7 +179,15 @@ def _lower(kernel, target=SM90):
 def test_mma_kernel_lowers_with_a_sane_launch(target):
     kernel = LinearMmaRule().apply(LinearSpec("matmul", 6144, 4096), target)
     assert kernel is not None and kernel.rule == "linear_mma"
-    assert dict(kernel.knobs) == {"warps": 4, "row_tiles": 1, "unroll": 4, "m_tile": 16, "stages": 2}
+    assert dict(kernel.knobs) == {
+        "warps": 4,
+        "row_tiles": 1,
+        "unroll": 4,
+        "m_tile": 16,
+        "stages": 2,
+        "x_stages": 0,
+        "n_warps": 1,
+    }
     assert kernel.func.attrs["tirx.is_scheduled"] and "tirx.is_scheduled" not in kernel.reference.attrs
     cuda, launch = _lower(kernel, target)
     assert launch.grid == ("384", "1", "1")  # one block per 16 weight rows; m is a loop inside the block
@@ -194,7 +205,15 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
 def test_fp8_kernel_has_its_own_defaults_and_scales():
     kernel = LinearMmaRule().apply(LinearSpec("lm_head", 151936, 4096, FP8), SM121)
     assert kernel is not None
-    assert dict(kernel.knobs) == {"warps": 8, "row_tiles": 1, "unroll": 4, "m_tile": 16, "stages": 1}
+    assert dict(kernel.knobs) == {
+        "warps": 8,
+        "row_tiles": 1,
+        "unroll": 4,
+        "m_tile": 16,
+        "stages": 1,
+        "x_stages": 0,
+        "n_warps": 1,
+    }
     cuda, launch = _lower(kernel, SM121)
     assert launch.grid == ("9496", "1", "1") and launch.block == ("32", "8", "1")
     assert {p.source for p in launch.params} == {"x", "w", "scale", "y", "m"}
@@ -230,8 +249,15 @@ def test_mma_knobs_fit_the_shape(spec, knobs, used, grid):
         ({"warps": 64}, "warps=64"),
         ({"m_tile": 12}, "multiple of 8"),
         ({"stages": 3}, "stages=3"),
+        ({"x_stages": 9}, "x_stages=9"),
+        ({"x_stages": -1}, "x_stages=-1"),
+        ({"n_warps": 0}, "n_warps=0"),
+        ({"warps": 8, "n_warps": 8}, "at most 32 warps"),
+        ({"x_stages": 1, "n_warps": 2, "m_tile": 64}, "at least 2 slots"),
+        ({"x_stages": 2, "n_warps": 4, "m_tile": 16}, "divides m_tile / 8"),
         ({"unroll": 0}, "positive"),
         ({"unroll": 16, "stages": 2, "m_tile": 64}, "registers"),
+        ({"x_stages": 2, "m_tile": 256, "unroll": 8}, "registers"),
         ({"warps": 32, "m_tile": 64, "row_tiles": 2}, "shared memory"),
         ({"warps": 4.0}, "must be an int"),
     ],
@@ -280,6 +306,94 @@ def test_bad_fallback_knobs_are_refused(knobs, message):
         LinearGemvRule().apply(LinearSpec("matmul", 64, 64), SM90, knobs)
 
 
+# ------------------------------------------------------------------------------------ GEMM mode (x_stages)
+
+
+@pytest.mark.parametrize(
+    ("target", "m_tile"), [(SM90, 128), (SM120, 64), (SM121, 64)], ids=["sm_90", "sm_120", "sm_121"]
+)
+@pytest.mark.parametrize(
+    "spec", [LinearSpec("matmul", 6144, 4096), LinearSpec("matmul_fp8", 4096, 12288, FP8)], ids=["bf16", "fp8"]
+)
+def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
+    kernel = LinearMmaRule().apply(spec, target, {"x_stages": 2})
+    assert kernel is not None
+    # its own defaults, FP8 too: 4 warps with double-buffered weights, m_tile as the SM's shared memory allows
+    assert dict(kernel.knobs) == {
+        "warps": 4,
+        "row_tiles": 1,
+        "unroll": 4,
+        "m_tile": m_tile,
+        "stages": 2,
+        "x_stages": 2,
+        "n_warps": 1,
+    }
+    plan = fit_mma_plan(spec, target, kernel.knobs)
+    cuda, launch = _lower(kernel, target)
+    assert launch.grid == (str(spec.n // 16), "1", "1") and launch.block == ("32", "4", "1")
+    # the x ring, with the partial sums laid over it, in dynamic shared memory: three blocks fit an SM
+    assert int(launch.dynamic_smem) == plan.shared_bytes() == plan.x_ring_bytes() == 2 * m_tile // 8 * 4 * 512
+    assert 3 * plan.shared_bytes() <= target.shared_memory_per_sm
+    assert plan.shared_bytes() <= target.max_shared_memory_per_block
+    start, end = kernel_bodies(cuda.source)[launch.name]
+    body = cuda.source[start:end]
+    assert MMA_BF16 in cuda.source and "extern __shared__" in body
+    # x is read only by async copies into shared memory (one per row group and x vector), and the B
+    # fragments are 16-byte loads from there; the k loop has no block barrier (each thread reads back its
+    # own copies), only the reduction does
+    assert "(x_ptr + " not in body
+    assert body.count("x_ptr[") == body.count("cp_async_ca_") > 0
+    assert "cp_async_wait_group" in body and "*(uint4*)(xs_ptr + " in body
+    assert body.count("__syncthreads()") == 3
+    # under a dependent launch the weight prefetch comes before the wait and x only after it
+    assert body.index(f"{PREFETCH_L2}(") < body.index(f"{WAIT}();") < body.index("x_ptr[")
+
+
+def test_gemm_mode_register_and_shared_memory_estimates():
+    """GEMM mode trades the x registers for accumulators, so m_tile 128 fits where GEMV mode cannot."""
+    spec = LinearSpec("matmul", 4096, 4096)
+    with pytest.raises(ScheduleError, match="registers"):
+        LinearMmaRule().apply(spec, SM90, {"m_tile": 128})
+    rule = LinearMmaRule()
+    plans = {m: fit_mma_plan(spec, SM90, rule.knobs_for(spec, SM90, {"x_stages": 2, "m_tile": m})) for m in (64, 128)}
+    assert _register_estimate(plans[128]) - _register_estimate(plans[64]) == 8 * 4 + 8  # accumulators, group predicates
+    assert plans[64].shared_bytes() == 32 * 1024 and plans[128].shared_bytes() == 64 * 1024
+
+
+def test_gemm_mode_shared_memory_is_checked_against_the_opt_in_size():
+    spec = LinearSpec("matmul", 4096, 4096)
+    knobs = {"x_stages": 2, "m_tile": 256, "unroll": 2}
+    assert LinearMmaRule().apply(spec, SM90, knobs).knobs["m_tile"] == 256  # 128 KiB of 227
+    with pytest.raises(ScheduleError, match="shared memory"):
+        LinearMmaRule().apply(spec, SM120, knobs)  # 128 KiB of 99
+    assert LinearMmaRule().apply(spec, SM120, {**knobs, "warps": 2}).knobs["warps"] == 2  # 64 KiB
+
+
+@pytest.mark.parametrize("target", [SM90, SM121], ids=["sm_90", "sm_121"])
+def test_n_warps_share_one_x_tile(target):
+    """Warps that split n own their weight rows and copy a share of x each; every x vector read waits for
+    a block barrier, and x crosses from L2 once per 16 * n_warps weight rows instead of once per 16."""
+    spec = LinearSpec("lm_head", 151936, 4096)
+    knobs = {"warps": 1, "n_warps": 8, "x_stages": 3, "m_tile": 128 if target is SM90 else 64}
+    kernel = LinearMmaRule().apply(spec, target, knobs)
+    assert kernel is not None and kernel.knobs["n_warps"] == 8
+    plan = fit_mma_plan(spec, target, kernel.knobs)
+    assert plan.block_rows == 128 and plan.threads == 256
+    cuda, launch = _lower(kernel, target)
+    assert launch.grid == (str(-(-spec.n // 128)), "1", "1") and launch.block == ("32", "8", "1")
+    assert int(launch.dynamic_smem) == plan.shared_bytes() <= target.max_shared_memory_per_block
+    # ring [3, m_tile / 8, 1 k warp, 32, 16 B] and partial sums [1, m_tile, 128] f32, side by side
+    assert plan.shared_bytes() == 3 * knobs["m_tile"] // 8 * 512 + 4 * knobs["m_tile"] * 128
+    start, end = kernel_bodies(cuda.source)[launch.name]
+    body = cuda.source[start:end]
+    # each warp copies m_tile / 8 / 8 row groups per x vector: the 2 vectors ahead, then one per vector of
+    # the loop body (2 stages x unroll 4); a barrier per vector of the body, then the reduction's three
+    assert body.count("cp_async_ca_") == knobs["m_tile"] // 8 // 8 * (2 + 2 * 4)
+    assert body.count("__syncthreads()") == 2 * 4 + 3
+    # x_stages 3: one copy stays in flight across each barrier
+    assert body.count("cp_async_wait_group_async_wait_group_1()") == 2 * 4
+
+
 # ------------------------------------------------------------------------------------------------- NVRTC
 
 
@@ -296,3 +410,21 @@ def test_family_module_compiles_for_sm90a():
     cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), SM90)
     cubin = compile_cubin(cuda.source, SM90.arch)
     assert cubin_arch(cubin) == "sm_90a"
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+def test_gemm_mode_compiles_for_every_arch(target):
+    from dflash_compiler.cubin import cubin_arch
+    from dflash_compiler.nvrtc import compile_cubin
+
+    pytest.importorskip("cuda.bindings")
+    rule = LinearMmaRule()
+    kernels = [
+        rule.apply(LinearSpec("matmul", 4096, 4096), target, {"x_stages": 2}),  # the target's GEMM defaults
+        rule.apply(LinearSpec("matmul", 200, 96), target, {"x_stages": 1, "m_tile": 32}),  # ragged n, 1 step a warp
+        rule.apply(LinearSpec("lm_head", 512, 256, FP8), target, {"x_stages": 3, "row_tiles": 2, "stages": 1}),
+        rule.apply(LinearSpec("matmul", 200, 96), target, {"x_stages": 2, "n_warps": 4, "warps": 1, "m_tile": 32}),
+        rule.apply(LinearSpec("matmul_fp8", 4096, 12288, FP8), target, {"x_stages": 3, "n_warps": 2, "warps": 2}),
+    ]
+    cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)
+    assert cubin_arch(compile_cubin(cuda.source, target.arch)) == target.arch

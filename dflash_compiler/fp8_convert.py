@@ -1,0 +1,40 @@
+"""e4m3 → bf16 in registers, four values per call, in integer instructions.
+
+The FP8 linears convert every weight byte they stream to bf16 before the mma. CUDA's scalar conversion
+(`(nv_bfloat16)__nv_fp8_e4m3`) goes e4m3 → f16 → f32 → bf16, three `cvt` per value, and `cvt` issues at a
+quarter of the integer rate: on the H200 the FP8 GEMV was bound by it, not by DRAM. Here two values take
+one byte permute, one shift, one bitwise select and one packed bf16 multiply:
+
+* An e4m3 byte `s eeee mmm` placed as bf16 bits `s 0000eeee mmm0000` is the bf16 number
+  2^(e - 127) · 1.mmm, or for e = 0 the subnormal 2^-126 · 0.mmm; multiplying by 2^120 (exact: a power of
+  two, and every result is a normal bf16) gives 2^(e - 7) · 1.mmm and 2^-6 · 0.mmm, the e4m3 value.
+* The multiply is `fma.rn.bf16x2` with -0.0 as the addend (keeps -0 · x = -0), which handles subnormal
+  operands (sm_80 and newer).
+
+e4m3 NaN (`s 1111 111`) comes out as ±480 rather than NaN: packed weights never hold it, because
+`quantize_fp8_rows` scales every row into ±448.
+
+`PRELUDE` is prepended to every generated CUDA source (codegen.py); a kernel calls
+`E4M3X4_TO_BF16(lo, hi, src)` with `src` four e4m3 bytes (4-byte aligned) and `lo`, `hi` two bf16 pairs
+(4-byte aligned each): `lo` gets bytes 0 and 1, `hi` bytes 2 and 3, the lower byte in the lower half.
+"""
+
+from __future__ import annotations
+
+E4M3X4_TO_BF16 = "dflash_e4m3x4_to_bf16"
+
+PRELUDE = f"""\
+// e4m3 -> bf16 in integer instructions (dflash_compiler.fp8_convert)
+__device__ __forceinline__ unsigned dflash_e4m3x2_bits_to_bf16x2(unsigned t) {{
+  // t = b1 << 24 | b0 << 8: keep the signs, move exponent and mantissa down 4 bits, scale by 2^120
+  unsigned r = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+  unsigned d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+  return d;
+}}
+__device__ __forceinline__ void {E4M3X4_TO_BF16}(void* lo, void* hi, const void* src) {{
+  unsigned w = *(const unsigned*)src;
+  *(unsigned*)lo = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(w, 0u, 0x1404u));
+  *(unsigned*)hi = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(w, 0u, 0x3424u));
+}}
+"""
