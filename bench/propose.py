@@ -153,11 +153,9 @@ def _breakdown(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[t
 
     launches, labels = [], []
     for phase, dims in phases:
-        prepared = phase.prepared(dims)
-        calls = [(c.node, k.name) for c in phase.plan.calls for k in phase.kernels[c.kernel].kernels]
-        for label, p in zip(calls, prepared, strict=True):
+        for p in phase.prepared(dims):
             launches.append((phase, p))
-            labels.append(label)
+            labels.append((p.node, p.launch.name))
     events = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(len(launches) + 1)]
     host = check(cu.cuMemHostAlloc(4, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
     flag = ctypes.c_uint32.from_address(int(host))

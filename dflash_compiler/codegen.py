@@ -52,7 +52,11 @@ class KernelParam(_Frozen):
 
 
 class KernelLaunch(_Frozen):
-    """One `cuLaunchKernel` of a host function: name, parameters and launch extents as expressions."""
+    """One `cuLaunchKernel` of a host function: name, parameters and launch extents as expressions.
+
+    `when` is the host code's condition around the launch (e.g. `(m <= 32)` where a PrimFunc picks one of
+    two kernels by its row count), "1" for a launch that always runs.
+    """
 
     name: str
     params: tuple[KernelParam, ...]
@@ -60,6 +64,11 @@ class KernelLaunch(_Frozen):
     grid: tuple[str, str, str]
     block: tuple[str, str, str]
     dynamic_smem: str
+    when: str = "1"
+
+    def runs(self, env: Mapping[str, int]) -> bool:
+        """Whether the host function launches this kernel for the given symbolic values."""
+        return bool(evaluate(self.when, env))
 
     def launch_dims(self, env: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
         """(grid, block, dynamic shared-memory bytes) for the given symbolic values, e.g. `{"m": 7}`."""
@@ -96,6 +105,10 @@ class HostFunction(_Frozen):
     kernels: tuple[KernelLaunch, ...]
     workspaces: tuple[Workspace, ...]
     variables: tuple[str, ...]
+
+    def launches(self, env: Mapping[str, int]) -> list[KernelLaunch]:
+        """The kernels a call with these symbolic values launches, in order (those whose `when` holds)."""
+        return [k for k in self.kernels if k.runs(env)]
 
 
 class CudaModule(_Frozen):
@@ -212,14 +225,17 @@ def _kernel_table(split: Any) -> dict[str, HostFunction]:
             order="pre",
         )
         conv = _ExprConverter(lets)
-        kernels = tuple(_kernel_launch(split, func, call, conv, decls) for call in calls)
+        conditions = _launch_conditions(func.body, calls, conv)
+        kernels = tuple(
+            _kernel_launch(split, func, call, conv, decls, cond) for call, cond in zip(calls, conditions, strict=True)
+        )
         if not kernels:
             continue
         params = tuple(_func_param(p, conv) for p in func.params)
         workspaces = tuple(
             Workspace(name=b.name, dtype=str(b.dtype), shape=tuple(conv(d) for d in b.shape)) for b in allocs
         )
-        exprs = [e for k in kernels for e in (*k.grid, *k.block, k.dynamic_smem)]
+        exprs = [e for k in kernels for e in (*k.grid, *k.block, k.dynamic_smem, k.when)]
         exprs += [p.source for k in kernels for p in k.params if p.kind == "scalar"]
         exprs += [d for p in params for d in p.shape] + [d for w in workspaces for d in w.shape]
         variables = sorted({n for e in exprs for n in expression_names(e)})
@@ -239,8 +255,38 @@ def _func_param(param: Any, conv: _ExprConverter) -> FuncParam:
     return FuncParam(name=param.name, kind="scalar", dtype=str(param.ty.dtype))
 
 
+def _launch_conditions(body: Any, calls: list[Any], conv: _ExprConverter) -> list[str]:
+    """Per kernel call (in `calls` order) the conjunction of the host `if` branches it sits in, "1" for none."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    if not calls:
+        return []
+    branches: list[tuple[Any, Any]] = []  # (condition as seen from the branch, branch body)
+
+    def on_if(node: Any) -> None:
+        branches.append((node.condition, node.then_case))
+        if node.else_case is not None:
+            branches.append((tirx.Not(node.condition), node.else_case))
+
+    tvm_ffi.structural_walk(body, [(tirx.IfThenElse, on_if)], order="pre")
+    inside: list[list[str]] = [[] for _ in calls]
+    for condition, branch in branches:
+        found: list[Any] = []
+        tvm_ffi.structural_walk(
+            branch,
+            [(tvm.ir.expr.Call, lambda c, found=found: found.append(c) if c.op.same_as(calls[0].op) else None)],
+            order="pre",
+        )
+        for i, call in enumerate(calls):
+            if any(call.same_as(f) for f in found):
+                inside[i].append(conv(condition))
+    return [" and ".join(f"({c})" for c in conds) if conds else "1" for conds in inside]
+
+
 def _kernel_launch(
-    split: Any, func: Any, call: Any, conv: _ExprConverter, decls: list[tuple[Any, Any]]
+    split: Any, func: Any, call: Any, conv: _ExprConverter, decls: list[tuple[Any, Any]], when: str = "1"
 ) -> KernelLaunch:
     import tvm
 
@@ -277,6 +323,7 @@ def _kernel_launch(
         grid=(grid[0], grid[1], grid[2]),
         block=(block[0], block[1], block[2]),
         dynamic_smem=smem,
+        when=when,
     )
 
 

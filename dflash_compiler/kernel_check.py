@@ -158,7 +158,7 @@ def run_case(
     try:
 
         def launch_all(stream: object = 0) -> None:
-            for launch in function.kernels:
+            for launch in function.launches(sizes):
                 module.launch(launch, pointers, sizes, stream)
 
         launch_all()

@@ -225,7 +225,7 @@ class LinearMmaRule(FamilyRule):
     """
 
     name = "linear_mma"
-    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
+    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows")
     # FP8 weights in GEMV mode: a k step is 64 wide, so its x fragments take twice the registers; double-
     # buffering them would need ~250 registers per thread, so one stage and more warps keep loads in flight.
     FP8_DEFAULTS: ClassVar[dict[str, int]] = {"warps": 8, "stages": 1}
@@ -243,6 +243,10 @@ class LinearMmaRule(FamilyRule):
             "stages": 2,
             "x_stages": 0,
             "n_warps": 1,
+            # above 32 rows (3+ draft blocks) a second, GEMM-mode kernel takes the call (gemm_launch_plan):
+            # on the H200 GEMV mode wins at 16 rows by 2-3x, GEMM mode at 64 rows and more by 1.2-1.9x,
+            # and they tie at about 32 (bench/linear.py --gemm)
+            "gemm_rows": 32,
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -252,9 +256,24 @@ class LinearMmaRule(FamilyRule):
         spec = self.spec_of(subject)
         if spec is None or not mma_fits(spec, target):
             return None
-        plan = fit_mma_plan(spec, target, self.knobs_for(spec, target, knobs))
-        return Kernel(name=spec.name, func=mma_gemv_func(spec, plan), reference=spec.prim_func(), rule=self.name,
-                      knobs=plan.knobs(), spec=spec)  # fmt: skip
+        chosen = self.knobs_for(spec, target, knobs)
+        plan, func = self._func(spec, target, chosen)
+        return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
+                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"]}, spec=spec)  # fmt: skip
+
+    def _func(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> tuple[MmaPlan, Any]:
+        plan = fit_mma_plan(spec, target, knobs)
+        rows = knobs["gemm_rows"]
+        if rows < 0:
+            raise ScheduleError(f"{self.name} knob gemm_rows={rows}: expected 0 (one kernel) or a row count")
+        if rows and plan.x_stages:
+            raise ScheduleError(
+                f"{self.name} knobs x_stages={plan.x_stages}, gemm_rows={rows}: gemm_rows adds a GEMM-mode kernel "
+                "above that many rows to a GEMV-mode one, and x_stages > 0 makes the kernel GEMM mode already. "
+                "Fix: gemm_rows 0, or x_stages 0"
+            )
+        gemm = (rows, gemm_launch_plan(spec, target)) if rows else None
+        return plan, mma_gemv_func(spec, plan, gemm)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
         """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
@@ -267,11 +286,33 @@ class LinearMmaRule(FamilyRule):
     def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
         """The target's defaults, then the GEMM-mode or FP8 ones, then `knobs`."""
         gemm = self.resolve_knobs(target, knobs)["x_stages"] > 0  # also refuses unknown names and non-ints
-        mode = self.gemm_defaults(target) if gemm else self.FP8_DEFAULTS if spec.fp8 else {}
+        mode = {**self.gemm_defaults(target), "gemm_rows": 0} if gemm else self.FP8_DEFAULTS if spec.fp8 else {}
         return self.resolve_knobs(target, {**mode, **(knobs or {})})
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        return mma_gemv_func(spec, fit_mma_plan(spec, target, knobs))
+        return self._func(spec, target, knobs)[1]
+
+
+def gemm_launch_plan(spec: LinearSpec, target: Target) -> MmaPlan:
+    """The GEMM-mode kernel a GEMV-mode linear hands its calls above `gemm_rows` rows to.
+
+    Warps that split n share one x tile, so x crosses from L2 once per 32-64 weight rows instead of once
+    per 16, through a three-slot ring. The split follows the H200 measurements at 64-128 rows (bench/
+    linear.py --gemm, µs at 128 rows against 8 GEMV passes): 4 n warps for wide weights (n >= 6144), 2
+    below; the k warps as the number of blocks allows: 1 for lm_head-wide weights (2374 blocks; 776 vs
+    2121), 2 with 4 n warps (gate_up 147 vs 325, qkv 50 vs 84), 4 with 2 (down 92 vs 194, o_proj 37 vs
+    54). m_tile is 128 where the ring and the partial sums fit the block's shared memory, else 64.
+    """
+    n_warps = 4 if spec.n >= 6144 else 2
+    warps = 1 if spec.n >= MMA_ROWS * n_warps * 1024 else 2 if n_warps == 4 else 4
+    knobs = {"warps": warps, "row_tiles": 1, "unroll": 4, "stages": 2, "x_stages": 3, "n_warps": n_warps}
+    problems = []
+    for m_tile in (128, 64):
+        try:
+            return fit_mma_plan(spec, target, {**knobs, "m_tile": m_tile})
+        except ScheduleError as exc:
+            problems.append(str(exc))
+    raise ScheduleError(f"{LinearMmaRule.name}: no GEMM-mode kernel fits {spec.name} on {target.name}: {problems}")
 
 
 def mma_fits(spec: LinearSpec, target: Target) -> bool:

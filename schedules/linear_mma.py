@@ -122,15 +122,13 @@ class MmaPlan:
         return x_ring_bytes(self.x_stages, self.m_tile, self.warps)
 
     def shared_bytes(self) -> int:
-        """Shared memory per block. With x in shared memory both buffers are dynamic. With one n warp TVM
-        lays the partial sums over the x ring (they are never live at once: a barrier separates the last x
-        read from the first partial sum), so the block needs the larger of the two; with barriers inside
-        the k loop (n warps sharing x) TVM's merge keeps them apart, so it needs their sum."""
+        """Shared memory per block. With x in shared memory both buffers are dynamic, and TVM's merge of
+        them places the partial sums (live only after a barrier that follows the last x read) in the ring's
+        space when they fit there and after it when they do not: the block needs the ring alone or the sum."""
         if not self.x_stages:
             return self.reduction_bytes()
-        if self.n_warps == 1:
-            return max(self.x_ring_bytes(), self.reduction_bytes())
-        return self.x_ring_bytes() + self.reduction_bytes()
+        ring, partial = self.x_ring_bytes(), self.reduction_bytes()
+        return ring if partial <= ring else ring + partial
 
 
 def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
@@ -138,8 +136,57 @@ def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
     return x_stages * (m_tile // MMA_COLS) * warps * WARP * 16
 
 
-def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
-    """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`."""
+def mma_gemv_func(spec: LinearSpec, plan: MmaPlan, gemm: tuple[int, MmaPlan] | None = None) -> Any:
+    """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`.
+
+    With `gemm = (rows, gemm_plan)` the PrimFunc holds two kernels and its host code picks one per call:
+    `plan`'s for m <= rows, `gemm_plan`'s (a GEMM mode) above; the kernel table records each launch's
+    condition (codegen.KernelLaunch.when).
+    """
+    from tvm.script import tirx as T
+
+    n, k = spec.n, spec.k
+    out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
+    body = _body_macro(spec, plan)
+    if gemm is not None:
+        rows, gemm_plan = gemm
+        small, large = body, _body_macro(spec, gemm_plan)
+
+        @T.macro
+        def body(x, w, scale, y, m):
+            if m <= rows:
+                small(x, w, scale, y, m)
+            else:
+                large(x, w, scale, y, m)
+
+    if spec.fp8:
+
+        @T.prim_func(s_tir=True)
+        def scaled(x_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle):
+            T.func_attr({"global_symbol": symbol, "tirx.noalias": True, "tirx.is_scheduled": True})
+            m = T.int32()
+            x = T.match_buffer(x_h, (m, k), "bfloat16")
+            w = T.match_buffer(w_h, (n, k), wdtype)
+            scale = T.match_buffer(s_h, (n,), "float32")
+            y = T.match_buffer(y_h, (m, n), out_dtype)
+            body(x, w, scale, y, m)
+
+        return scaled
+
+    @T.prim_func(s_tir=True)
+    def plain(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": symbol, "tirx.noalias": True, "tirx.is_scheduled": True})
+        m = T.int32()
+        x = T.match_buffer(x_h, (m, k), "bfloat16")
+        w = T.match_buffer(w_h, (n, k), wdtype)
+        y = T.match_buffer(y_h, (m, n), out_dtype)
+        body(x, w, x, y, m)  # no scale buffer: the body reads it only for FP8 weights
+
+    return plain
+
+
+def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
+    """The kernel of `plan` as a TVMScript macro `body(x, w, scale, y, m)` (bound threads included)."""
     from tvm.script import tirx as T
 
     n, k = spec.n, spec.k
@@ -168,7 +215,6 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
     else:  # every x vector of `stages` batches in registers; no ring (a dummy never touched)
         smem, xs_shape, xl_shape, bf_size = "shared", (1,), (stages, unroll, m_groups, vec), m_groups * vec
     xs_scope = smem if x_stages else "local"
-    symbol = spec.name
     mma = mma_m16n8k16()
 
     @T.macro
@@ -375,27 +421,4 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan) -> Any:
                         for mc in range(T.ceildiv(m, m_tile)):
                             chunk(x, w, scale, y, m, bx, ty, tx, mc, red, xs, wl, xl, af, bf, acc, total)
 
-    if spec.fp8:
-
-        @T.prim_func(s_tir=True)
-        def scaled(x_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle):
-            T.func_attr({"global_symbol": symbol, "tirx.noalias": True, "tirx.is_scheduled": True})
-            m = T.int32()
-            x = T.match_buffer(x_h, (m, k), "bfloat16")
-            w = T.match_buffer(w_h, (n, k), wdtype)
-            scale = T.match_buffer(s_h, (n,), "float32")
-            y = T.match_buffer(y_h, (m, n), out_dtype)
-            body(x, w, scale, y, m)
-
-        return scaled
-
-    @T.prim_func(s_tir=True)
-    def plain(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-        T.func_attr({"global_symbol": symbol, "tirx.noalias": True, "tirx.is_scheduled": True})
-        m = T.int32()
-        x = T.match_buffer(x_h, (m, k), "bfloat16")
-        w = T.match_buffer(w_h, (n, k), wdtype)
-        y = T.match_buffer(y_h, (m, n), out_dtype)
-        body(x, w, x, y, m)  # no scale buffer: the body reads it only for FP8 weights
-
-    return plain
+    return body

@@ -27,6 +27,7 @@ class PreparedLaunch:
     launch: KernelLaunch
     pointers: Mapping[str, int]
     env: Mapping[str, int]
+    node: str  # the graph node the launch computes (a node may launch several kernels)
 
 
 class PhaseExecutor:
@@ -123,7 +124,7 @@ class PhaseExecutor:
                 env = {var: eval_dim(expr, dims) for var, expr in call.sizes}
                 pointers = {b.param: self.address(b, dims) for b in call.buffers}
                 pointers.update({ws: p for (k, ws), p in self.workspaces.items() if k == fn.name})
-                out += [PreparedLaunch(launch, pointers, env) for launch in fn.kernels]
+                out += [PreparedLaunch(launch, pointers, env, call.node) for launch in fn.launches(env)]
             self._prepared[key] = out
         return self._prepared[key]
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from dflash_compiler.ir.graph import eval_dim
 from dflash_compiler.plans import dtype_bytes
 from dflash_compiler.runtime.executor import PhaseExecutor
 
@@ -87,9 +88,16 @@ def test_every_launch_gets_every_pointer_and_its_sizes(manifest):
     }
     ex.run(dims)
     plan = manifest.phases["propose"]
-    expected = sum(len(manifest.kernels[c.kernel].kernels) for c in plan.calls)
-    assert len(module.launches) == expected
-    launches = [(call, k) for call in plan.calls for k in manifest.kernels[call.kernel].kernels]
+    # a linear holds a GEMV-mode and a GEMM-mode kernel; each call launches the one its row count selects
+    launches = []
+    for call in plan.calls:
+        env = {var: eval_dim(expr, dims) for var, expr in call.sizes}
+        chosen = [k for k in manifest.kernels[call.kernel].kernels if k.runs(env)]
+        if call.kernel.startswith("matmul"):
+            assert len(manifest.kernels[call.kernel].kernels) == 2 and len(chosen) == 1, call.node
+            assert chosen[0].name.endswith("_kernel_1") == (env["m"] > 32), (call.node, env)
+        launches += [(call, k) for k in chosen]
+    assert len(module.launches) == len(launches) < sum(len(manifest.kernels[c.kernel].kernels) for c in plan.calls)
     for (name, pointers, env), (call, launch) in zip(module.launches, launches, strict=True):
         assert name == launch.name
         for p in launch.params:

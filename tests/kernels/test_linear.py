@@ -21,6 +21,7 @@ from dflash_compiler.schedules.linear import (
     LinearSpec,
     _register_estimate,
     fit_mma_plan,
+    gemm_launch_plan,
     random_weight,
     spec_of,
 )
@@ -169,10 +170,12 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 
 
 def _lower(kernel, target=SM90):
+    """The CUDA module and the kernel's first launch (GEMV mode where gemm_rows adds a GEMM-mode one)."""
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
-    (launch,) = cuda.functions[kernel.name].kernels
+    launches = cuda.functions[kernel.name].kernels
+    assert len(launches) == (2 if kernel.knobs.get("gemm_rows") else 1)
     assert "2147483647" not in cuda.source  # no local buffer sized by the symbolic m
-    return cuda, launch
+    return cuda, launches[0]
 
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
@@ -187,6 +190,7 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
         "stages": 2,
         "x_stages": 0,
         "n_warps": 1,
+        "gemm_rows": 32,
     }
     assert kernel.func.attrs["tirx.is_scheduled"] and "tirx.is_scheduled" not in kernel.reference.attrs
     cuda, launch = _lower(kernel, target)
@@ -213,6 +217,7 @@ def test_fp8_kernel_has_its_own_defaults_and_scales():
         "stages": 1,
         "x_stages": 0,
         "n_warps": 1,
+        "gemm_rows": 32,
     }
     cuda, launch = _lower(kernel, SM121)
     assert launch.grid == ("9496", "1", "1") and launch.block == ("32", "8", "1")
@@ -255,6 +260,8 @@ def test_mma_knobs_fit_the_shape(spec, knobs, used, grid):
         ({"warps": 8, "n_warps": 8}, "at most 32 warps"),
         ({"x_stages": 1, "n_warps": 2, "m_tile": 64}, "at least 2 slots"),
         ({"x_stages": 2, "n_warps": 4, "m_tile": 16}, "divides m_tile / 8"),
+        ({"x_stages": 2, "gemm_rows": 32}, "gemm_rows 0, or x_stages 0"),
+        ({"gemm_rows": -1}, "gemm_rows=-1"),
         ({"unroll": 0}, "positive"),
         ({"unroll": 16, "stages": 2, "m_tile": 64}, "registers"),
         ({"x_stages": 2, "m_tile": 256, "unroll": 8}, "registers"),
@@ -327,6 +334,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
         "stages": 2,
         "x_stages": 2,
         "n_warps": 1,
+        "gemm_rows": 0,
     }
     plan = fit_mma_plan(spec, target, kernel.knobs)
     cuda, launch = _lower(kernel, target)
@@ -392,6 +400,49 @@ def test_n_warps_share_one_x_tile(target):
     assert body.count("__syncthreads()") == 2 * 4 + 3
     # x_stages 3: one copy stays in flight across each barrier
     assert body.count("cp_async_wait_group_async_wait_group_1()") == 2 * 4
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("spec", "split"),
+    [
+        (LinearSpec("matmul", 6144, 4096), (2, 4)),
+        (LinearSpec("matmul", 4096, 12288), (4, 2)),
+        (LinearSpec("lm_head", 151936, 4096, FP8), (1, 4)),
+        (LinearSpec("matmul", 64, 64), (2, 2)),  # 2 k steps: the 4 k warps shrink to 2
+    ],
+    ids=["qkv", "down", "lm_head-fp8", "tiny"],
+)
+def test_gemv_kernel_hands_many_rows_to_a_gemm_mode_kernel(spec, split, target):
+    """By default a linear is two kernels: GEMV mode up to gemm_rows rows, GEMM mode (n warps sharing x)
+    above, picked by the host code per call and recorded as each launch's condition."""
+    kernel = LinearMmaRule().apply(spec, target)
+    assert kernel.knobs["gemm_rows"] == 32 and kernel.knobs["x_stages"] == 0
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
+    func = cuda.functions[kernel.name]
+    gemv, gemm = func.kernels
+    for m, launched in [(1, gemv), (16, gemv), (32, gemv), (33, gemm), (128, gemm), (512, gemm)]:
+        assert func.launches({"m": m}) == [launched], m
+    plan = gemm_launch_plan(spec, target)
+    assert (plan.warps, plan.n_warps, plan.x_stages) == (*split, 3)
+    if plan.m_tile == 64:  # only when 128 rows of ring and partial sums exceed the block's shared memory
+        with pytest.raises(ScheduleError, match="shared memory"):
+            fit_mma_plan(spec, target, {**plan.knobs(), "m_tile": 128})
+    else:
+        assert plan.m_tile == 128
+    assert gemm.grid == (str(-(-spec.n // plan.block_rows)), "1", "1")
+    assert gemm.block == ("32", str(plan.warps * plan.n_warps), "1")
+    assert int(gemm.dynamic_smem) == plan.shared_bytes() <= target.max_shared_memory_per_block
+    assert gemv.dynamic_smem == "0" and gemv.grid == (str(-(-spec.n // 16)), "1", "1")
+    start, end = kernel_bodies(cuda.source)[gemm.name]
+    assert (
+        "cp_async_ca_" in cuda.source[start:end]
+        and "cp_async_ca_" not in cuda.source[slice(*kernel_bodies(cuda.source)[gemv.name])]
+    )
+    # gemm_rows 0: the GEMV-mode kernel alone, for every m
+    single = LinearMmaRule().apply(spec, target, {"gemm_rows": 0})
+    (only,) = lower_to_cuda(tvm.IRModule({single.name: single.func}), target).functions[single.name].kernels
+    assert only.when == "1" and only.runs({"m": 512})
 
 
 # ------------------------------------------------------------------------------------------------- NVRTC
