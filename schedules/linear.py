@@ -215,13 +215,16 @@ def mma_step(spec: LinearSpec) -> int:
 class LinearMmaRule(FamilyRule):
     """Linears on tensor cores (targets with bf16 mma; k a multiple of 32, or 64 for FP8 weights).
 
-    Knobs: `warps` per block (they split k), `row_tiles` (16-row weight tiles per block), `unroll` (k steps
-    per batch of loads), `stages` (1: load a batch, then multiply it; 2: double buffer), `m_tile` (rows
-    of x per pass over the weight, a multiple of 8) and `x_stages` (0: x fragments straight from global
-    memory into registers, the GEMV mode; n >= 1: x through a ring of n shared-memory slots, the GEMM
-    mode, which keeps the registers for accumulators so that m_tile can cover 64-256 rows and the weight
-    is streamed once). `warps` and `unroll` are upper bounds: the largest values that divide the k steps
-    evenly are used, and the Kernel reports the values used.
+    Knobs: `warps` per block that split k, `n_warps` per block that split n (each with its own
+    `row_tiles` 16-row weight tiles), `unroll` (k steps per batch of loads), `stages` (1: load a batch,
+    then multiply it; 2: double buffer), `m_tile` (rows of x per pass over the weight, a multiple of 8),
+    `x_stages` (0: x fragments straight from global memory into registers, the GEMV mode; n >= 1: x
+    through a ring of n shared-memory slots, the GEMM mode, which keeps the registers for accumulators so
+    that m_tile can cover 64-256 rows and the weight is streamed once per pass) and `gemm_rows` (with
+    x_stages 0: calls with more rows than this go to a second, GEMM-mode kernel of `gemm_launch_plan`,
+    picked by the host code per call; 0: the one kernel for every m). `warps` and `unroll` are upper
+    bounds: the largest values that divide the k steps evenly are used, and the Kernel reports the values
+    used.
     """
 
     name = "linear_mma"
