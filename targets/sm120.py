@@ -8,6 +8,7 @@ FP8 MMA is the `mma.sync ... kind::f8f6f4` path (no wgmma/tcgen05 on sm_120).
 from __future__ import annotations
 
 from .base import Target
+from .cc12 import CC12_LIMITS
 
 SM120 = Target(
     name="sm_120",
@@ -15,16 +16,7 @@ SM120 = Target(
     arch="sm_120a",
     compute_capability=(12, 0),
     sm_count=170,
-    max_shared_memory_per_block=99 * 1024,
-    shared_memory_per_sm=100 * 1024,
-    registers_per_sm=65536,
-    max_registers_per_block=65536,
-    max_registers_per_thread=255,
-    max_threads_per_block=1024,
-    max_threads_per_sm=1536,
-    warp_size=32,
     l2_bytes=96 * 1024 * 1024,
     dram_bandwidth_bytes_per_s=1.792e12,
-    fp8_mma=True,
-    bf16_mma=True,
+    **CC12_LIMITS,
 )

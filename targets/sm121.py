@@ -9,6 +9,7 @@ This is the default build target when no GPU is present (DESIGN.md, Targets).
 from __future__ import annotations
 
 from .base import Target
+from .cc12 import CC12_LIMITS
 
 SM121 = Target(
     name="sm_121",
@@ -16,16 +17,7 @@ SM121 = Target(
     arch="sm_121a",
     compute_capability=(12, 1),
     sm_count=48,
-    max_shared_memory_per_block=99 * 1024,
-    shared_memory_per_sm=100 * 1024,
-    registers_per_sm=65536,
-    max_registers_per_block=65536,
-    max_registers_per_thread=255,
-    max_threads_per_block=1024,
-    max_threads_per_sm=1536,
-    warp_size=32,
     l2_bytes=24 * 1024 * 1024,
     dram_bandwidth_bytes_per_s=273e9,
-    fp8_mma=True,
-    bf16_mma=True,
+    **CC12_LIMITS,
 )
