@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -74,18 +73,10 @@ def build(args: argparse.Namespace) -> None:
 
 
 def _step_bytes(manifest: Any, nb: int) -> int:
-    """DRAM bytes one step must read: every weight both phases use, once, and each sequence's cached K/V."""
-    from dflash_compiler.plans import dtype_bytes
-
-    used = {
-        b.value
-        for p in manifest.phases.values()
-        for c in p.calls
-        for b in c.buffers
-        if p.values[b.value].kind == "weight"
-    }
-    weights = sum(math.prod(manifest.weights[w].shape) * dtype_bytes(manifest.weights[w].dtype) for w in used)
-    return weights + nb * (CACHED + NEW_ROWS) * manifest.roofline.kv_bytes_per_cached_row
+    """DRAM bytes one step must read: every weight either phase streams, once (the manifest's roofline leaves
+    out tables only gathered from, like embed_tokens), and each sequence's cached K/V."""
+    roof = manifest.roofline
+    return roof.weight_bytes + roof.context_weight_bytes + nb * (CACHED + NEW_ROWS) * roof.kv_bytes_per_cached_row
 
 
 def _fill(drafter: Any, nb: int, width: int, rng: np.random.Generator) -> None:

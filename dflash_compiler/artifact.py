@@ -34,7 +34,7 @@ from dflash_compiler.options import BuildOptions
 from dflash_compiler.plans import KVCachePlan, MemoryPlan, PrecisionMap
 from dflash_compiler.targets import Target
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 CUBIN = "kernels.cubin"
 SOURCE = "kernels.cu"
@@ -78,7 +78,8 @@ class Roofline(_Frozen):
     """Predicted propose latency: the bytes a step must move over the target's DRAM bandwidth."""
 
     bandwidth_bytes_per_s: float
-    weight_bytes: int  # every weight read once per propose step (lm_head included)
+    weight_bytes: int  # every weight the propose step streams, once (lm_head included; gathered tables not)
+    context_weight_bytes: int  # the weights only the append_context step streams (its fc, fused context K/V)
     kv_bytes_per_cached_row: int  # K and V of every layer for one cached position
     predicted_us: dict[str, float]  # "nb=1 ctx=4096" -> µs
 

@@ -23,7 +23,8 @@ from dflash_compiler.artifact import (
 )
 from dflash_compiler.config import DrafterConfig
 from dflash_compiler.ir import dump, eval_dim
-from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.graph import Graph
+from dflash_compiler.ir.ops import GATHERED_ARGS, Op
 from dflash_compiler.kernel_build import KernelBuild
 from dflash_compiler.launch_plan import PhasePlan, phase_plan
 from dflash_compiler.lower import Program
@@ -57,17 +58,33 @@ def _value_bytes(plan: PhasePlan, kinds: tuple[str, ...]) -> int:
     return total
 
 
+def streamed_weights(graph: Graph) -> set[str]:
+    """The WEIGHT nodes of `graph` that some node reads whole; a table only gathered from by id (embed_tokens,
+    a Markov head's w1: ops.GATHERED_ARGS) streams a few rows per step, not its size, and is left out."""
+    return {
+        name
+        for name, _ in graph.nodes_of(Op.WEIGHT)
+        if any(GATHERED_ARGS.get(graph.node(user).op) != arg for user, arg in graph.users(name))
+    }
+
+
 def roofline(
     weights: Mapping[str, WeightRecord],
     kv: KVCachePlan,
     bandwidth: float,
-    propose: PhasePlan,
+    program: Program,
     max_batch: int,
     max_seq_len: int,
 ) -> Roofline:
-    """Bytes per propose step over the bandwidth: every propose weight once, plus every cached K/V row."""
-    used = {b.value for call in propose.calls for b in call.buffers if propose.values[b.value].kind == "weight"}
-    weight_bytes = sum(math.prod(weights[w].shape) * dtype_bytes(weights[w].dtype) for w in used)
+    """Bytes per propose step over the bandwidth: every weight the propose phase streams, once, plus every cached
+    K/V row; the append_context phase's own streamed weights are recorded beside it (a serving step runs both)."""
+    propose = streamed_weights(program.propose)
+    context = streamed_weights(program.phases["append_context"]) - propose
+
+    def total(names: set[str]) -> int:
+        return sum(math.prod(weights[w].shape) * dtype_bytes(weights[w].dtype) for w in names)
+
+    weight_bytes = total(propose)
     per_row = kv.bytes_per_page // kv.page_size
     predicted = {}
     for nb in sorted({1, max_batch}):
@@ -76,6 +93,7 @@ def roofline(
     return Roofline(
         bandwidth_bytes_per_s=bandwidth,
         weight_bytes=weight_bytes,
+        context_weight_bytes=total(context),
         kv_bytes_per_cached_row=per_row,
         predicted_us=predicted,
     )
@@ -120,7 +138,7 @@ def make_manifest(
             weights,
             kv,
             build.target.dram_bandwidth_bytes_per_s,
-            phases["propose"],
+            program,
             options.max_batch,
             options.max_seq_len,
         ),

@@ -91,3 +91,9 @@ _KIND: dict[Op, OpKind] = {
     Op.MARKOV_WALK: OpKind.DSPARK,
     Op.CONFIDENCE: OpKind.DSPARK,
 }
+
+
+# Arguments a node reads only a few rows of, picked by id (a table lookup), rather than whole: the
+# embedding table of EMBED and the Markov head's w1 of MARKOV_WALK. A step's DRAM traffic counts the
+# whole of every other weight it reads, and only the gathered rows of these.
+GATHERED_ARGS: dict[Op, int] = {Op.EMBED: 1, Op.MARKOV_WALK: 2}

@@ -26,6 +26,7 @@ from dflash_compiler.config import load_drafter_config
 from dflash_compiler.cubin import cubin_arch
 from dflash_compiler.ir.weights import WeightCache, WeightDecl
 from dflash_compiler.options import BuildOptions
+from dflash_compiler.plans import dtype_bytes
 from dflash_compiler.targets import SM90, SM121
 
 pytest.importorskip("tvm")
@@ -76,6 +77,16 @@ def test_artifact_holds_its_files_and_decisions(built):
         expected = (roof.weight_bytes + nb * 256 * roof.kv_bytes_per_cached_row) / SM121.dram_bandwidth_bytes_per_s
         assert roof.predicted_us[f"nb={nb} ctx=256"] == pytest.approx(expected * 1e6, abs=0.05)
     assert roof.kv_bytes_per_cached_row == manifest.kv_cache.bytes_per_page // 16
+    # the step streams every weight its calls read except the embedding table, which it only gathers rows of
+    for phase, field in (("propose", roof.weight_bytes), ("append_context", roof.context_weight_bytes)):
+        plan = manifest.phases[phase]
+        read = {b.value for c in plan.calls for b in c.buffers if plan.values[b.value].kind == "weight"}
+        if phase == "append_context":
+            read -= {b.value for c in manifest.phases["propose"].calls for b in c.buffers}
+        streamed = read - {"target.embed_tokens"}
+        assert field == sum(np.prod(manifest.weights[w].shape) * dtype_bytes(manifest.weights[w].dtype)
+                            for w in streamed), phase  # fmt: skip
+    assert "target.embed_tokens" in {b.value for c in manifest.phases["propose"].calls for b in c.buffers}
     assert manifest.memory_total.total > manifest.kv_cache.total_bytes
 
 
@@ -111,7 +122,7 @@ def test_identical_inputs_give_identical_bytes(built, checkpoint, tmp_path):
         ),
         (
             lambda p: (p / MANIFEST).write_text(
-                (p / MANIFEST).read_text().replace('"schema_version": 1', '"schema_version": 99')
+                (p / MANIFEST).read_text().replace('"schema_version": 2', '"schema_version": 99')
             ),
             "schema version 99",
         ),
