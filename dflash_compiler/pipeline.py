@@ -24,6 +24,7 @@ from dflash_compiler.ir_passes.choose_precision import choose_precision
 from dflash_compiler.ir_passes.context import Pass, PassContext
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
 from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
+from dflash_compiler.ir_passes.fuse_head_prep import fuse_head_prep
 from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
 from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.plan_memory import plan_memory
@@ -42,6 +43,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("fuse_qkv", fuse_qkv),
     ("fuse_gate_up", fuse_gate_up),
     ("select_rope", select_rope),
+    ("fuse_head_prep", fuse_head_prep),
     ("choose_precision", choose_precision),
     ("fuse_residual_norm", fuse_residual_norm),
     ("size_kv_cache", size_kv_cache),

@@ -12,6 +12,7 @@ from .dspark import DSparkRule
 from .elementwise import ElementwiseRule
 from .embed import EmbedRule
 from .head_norm_rope import HeadNormRopeRule
+from .head_prep import HeadPrepRule
 from .kv_write import KVWriteRule
 from .linear import LinearGemvRule, LinearMmaRule
 from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
@@ -26,6 +27,7 @@ RULES: tuple[Rule, ...] = (
     AttentionRule(),
     KVWriteRule(),
     HeadNormRopeRule(),
+    HeadPrepRule(),
     ElementwiseRule(),
     EmbedRule(),
     ArgmaxRule(),
@@ -44,6 +46,7 @@ __all__ = [
     "EmbedRule",
     "FamilyRule",
     "HeadNormRopeRule",
+    "HeadPrepRule",
     "KVWriteRule",
     "Kernel",
     "KernelSpec",

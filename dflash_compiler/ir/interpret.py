@@ -210,6 +210,21 @@ def _head_rmsnorm(node: Node, args: list[np.ndarray]) -> np.ndarray:
     return _rms(x.reshape(x.shape[0], -1, d), args[1], float(node.attr("eps"))).reshape(x.shape)
 
 
+def _head_prep(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    x, pos, inv_freq, norm_weights = _f32(args[0]), np.asarray(args[1]), args[2], iter(args[3:])
+    d, eps = int(node.attr("head_dim")), float(node.attr("eps"))
+    cos, sin = cos_sin(pos, _f32(inv_freq).astype(np.float64), float(node.attr("attention_factor")))
+    outs = []
+    for start, stop, norm, rope in node.attr("windows"):
+        heads = x[:, start:stop].reshape(x.shape[0], -1, d)
+        if norm:
+            heads = _rms(heads, next(norm_weights), eps)
+        if rope:
+            heads = apply_rope(heads.astype(np.float64), cos, sin).astype(np.float32)
+        outs.append(heads.reshape(x.shape[0], stop - start))
+    return tuple(outs)
+
+
 _Impl = Callable[[Node, list[np.ndarray]], np.ndarray | tuple[np.ndarray, ...]]
 
 _IMPL: dict[Op, _Impl] = {
@@ -225,6 +240,7 @@ _IMPL: dict[Op, _Impl] = {
     Op.RMSNORM_RESIDUAL: _rmsnorm_residual,
     Op.HEAD_RMSNORM: _head_rmsnorm,
     Op.ROPE: _rope,
+    Op.HEAD_PREP: _head_prep,
     Op.BLOCK_ATTENTION: _block_attention,
     Op.SILU_MUL: _silu_mul,
     Op.ADD: lambda n, a: _f32(a[0]) + _f32(a[1]),

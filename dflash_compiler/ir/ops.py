@@ -40,6 +40,8 @@ class Op(StrEnum):
     HEAD_RMSNORM = "head_rmsnorm"  # per-head RMSNorm over head_dim (q_norm / k_norm)
     # position
     ROPE = "rope"  # neox rotate-half RoPE from an inv_freq table and attention factor
+    # column windows of one tensor, each copied or per-head RMS-normed and/or RoPE'd: one output per window
+    HEAD_PREP = "head_prep"
     # attention
     BLOCK_ATTENTION = "block_attention"  # block rows over the paged context + the block's own K/V
     # elementwise
@@ -79,6 +81,7 @@ _KIND: dict[Op, OpKind] = {
     Op.RMSNORM_RESIDUAL: OpKind.NORM,
     Op.HEAD_RMSNORM: OpKind.NORM,
     Op.ROPE: OpKind.POSITION,
+    Op.HEAD_PREP: OpKind.POSITION,
     Op.BLOCK_ATTENTION: OpKind.ATTENTION,
     Op.SILU_MUL: OpKind.ELEMENTWISE,
     Op.ADD: OpKind.ELEMENTWISE,

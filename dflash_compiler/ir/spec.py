@@ -28,7 +28,7 @@ ShapeRule = Callable[[Node, list[TensorType]], list[str]]
 class OpSpec:
     arity: tuple[int, int]  # (min, max) inputs
     attrs: tuple[str, ...] = ()
-    outputs: int = 1
+    outputs: int | None = 1  # None: as many as the shape rule checks
     rule: ShapeRule | None = None
 
 
@@ -84,6 +84,29 @@ def _rope(node: Node, ins: list[TensorType]) -> list[str]:
         errs += _expect(node.has("attention_factor"), "a RoPE table input needs attention_factor")
     else:
         errs += _expect(node.has("rope"), "RoPE without a table needs the rope spec attribute")
+    return errs
+
+
+def _head_prep(node: Node, ins: list[TensorType]) -> list[str]:
+    x, positions, inv_freq, norm_weights = ins[0], ins[1], ins[2], ins[3:]
+    d, windows = int(node.attr("head_dim")), node.attr("windows")
+    width = x.shape[-1] if len(x.shape) == 2 else None
+    errs = _expect(isinstance(width, int), f"x {x.render()} is not [rows, width] with a static width")
+    errs += _expect(positions.dtype == "int32" and _same(positions.shape[0], x.shape[0]), "positions must be i32[rows]")
+    errs += _expect(_same(inv_freq.shape[0], d // 2), f"inv_freq table must be [{d // 2}]")
+    errs += _expect(len(node.outputs) == len(windows), f"{len(node.outputs)} outputs for {len(windows)} windows")
+    errs += _expect(
+        len(norm_weights) == sum(bool(w[2]) for w in windows), "one norm weight per window that norms, in order"
+    )
+    errs += [f"norm weight {w.render()} is not [{d}]" for w in norm_weights if not _same(w.shape, (d,))]
+    for (start, stop, _norm_it, _rope_it), out in zip(windows, node.outputs, strict=False):
+        ok = isinstance(width, int) and 0 <= start < stop <= width and (stop - start) % d == 0
+        errs += _expect(ok, f"window [{start}:{stop}] of {x.render()} is not whole heads of {d}")
+        errs += _expect(
+            len(out.shape) == 2 and _same(out.shape[0], x.shape[0]) and _same(out.shape[1], stop - start)
+            and out.dtype == x.dtype,
+            f"output {out.render()} of window [{start}:{stop}] is not {x.dtype}[{x.shape[0]}, {stop - start}]",
+        )  # fmt: skip
     return errs
 
 
@@ -147,6 +170,10 @@ SPECS: dict[Op, OpSpec] = {
     Op.RMSNORM_RESIDUAL: OpSpec((3, 3), ("eps",), outputs=2, rule=_rmsnorm_residual),
     Op.HEAD_RMSNORM: OpSpec((2, 2), ("eps", "head_dim"), rule=_norm),
     Op.ROPE: OpSpec((2, 3), ("head_dim",), rule=_rope),
+    # (x, positions, inv_freq, norm weights...): windows = ((start, stop, norm, rope), ...)
+    Op.HEAD_PREP: OpSpec(
+        (3, 3 + 256), ("windows", "head_dim", "eps", "attention_factor"), outputs=None, rule=_head_prep
+    ),
     Op.BLOCK_ATTENTION: OpSpec(
         (7, 7), ("layer", "heads", "kv_heads", "head_dim", "block", "causal", "window", "page_size"), rule=_attention
     ),
@@ -186,7 +213,7 @@ def verify(graph: Graph) -> None:
         if missing:
             errors.append(f"{where}: missing attributes {missing}")
             continue
-        if len(node.outputs) != spec.outputs:
+        if spec.outputs is not None and len(node.outputs) != spec.outputs:
             errors.append(f"{where}: {len(node.outputs)} outputs, expected {spec.outputs}")
         for out in node.outputs:
             unknown = set().union(*(dim_symbols(d) for d in out.shape)) - symbols if out.shape else set()

@@ -111,7 +111,7 @@ def _rope(width: int | str, head_dim: int, rows: str = ROWS, positions: str = "i
     return OpInstance("l0.q_rope", node, inputs)
 
 
-REAL_NODES = [  # as in /tmp/dump/*/08_plan_memory.*.txt (qwen3-8b-dflash-b16 and tiny-dflash)
+REAL_NODES = [  # as in /tmp/dump/*/06_select_rope.*.txt (qwen3-8b-dflash-b16, tiny-dflash), before fuse_head_prep
     (_norm(4096, 128), "head_rmsnorm_h32_d128"),
     (_norm(1024, 128, rows="ctx"), "head_rmsnorm_h8_d128"),
     (_norm(64, 16), "head_rmsnorm_h4_d16"),

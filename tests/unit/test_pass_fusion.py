@@ -20,6 +20,7 @@ from dflash_compiler.ir import Graph, Node, Op, Ref, TensorType, WeightCache, We
 from dflash_compiler.ir_passes.context import Pass, PassContext
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
 from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
+from dflash_compiler.ir_passes.fuse_head_prep import fuse_head_prep
 from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
 from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.select_rope import RopeChoice, UnsupportedRopeError, select_rope
@@ -34,6 +35,7 @@ PASSES: dict[str, Pass] = {
     "fuse_gate_up": fuse_gate_up,
     "fuse_residual_norm": fuse_residual_norm,
     "select_rope": select_rope,
+    "fuse_head_prep": fuse_head_prep,  # after select_rope: it fuses only selected RoPE
 }
 # (pass, example, phase): the phase the pass rewrites, on tiny-dflash and on DFlash2's conv-wrapped layers.
 GOLDEN_CASES: tuple[tuple[str, str, str], ...] = (
@@ -192,6 +194,54 @@ def test_fuse_context_kv_structure(example: str) -> None:
         i, which = int(node.attr("layer")), int(node.attr("which"))
         start = (2 * i + which) * kv
         assert _slice_of(g, g.inputs(name)[1]) == (fused, start, start + kv), name
+
+
+# (c) structure: fuse_head_prep ---------------------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_head_prep_structure(example: str) -> None:
+    """Each layer's q|k|v slices with their norms and RoPE, and every layer's context K|V slices, become one
+    HEAD_PREP whose windows follow the fused weights' row order (DFLASH.md); head dims the kernel cannot lay
+    out (16·2^i only) keep their nodes."""
+    t = _tiny(example)
+    cfg = t.config
+    program = _apply(t, [fuse_context_kv, fuse_qkv, select_rope])
+    after = _apply(t, [fuse_head_prep], program)
+    if cfg.head_dim not in (16, 32, 64, 128, 256, 512):
+        assert all(dump(after.phases[p]) == dump(program.phases[p]) for p in program.phases)
+        return
+    normed = bool(_ops(program.propose, Op.HEAD_RMSNORM))
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for phase, g in after.phases.items():
+        assert not _ops(g, Op.SLICE) and not _ops(g, Op.HEAD_RMSNORM) and not _ops(g, Op.ROPE), phase
+        for _, node in g.nodes_of(Op.HEAD_PREP):
+            assert node.attr("head_dim") == cfg.head_dim and float(node.attr("attention_factor")) > 0
+    g = after.propose
+    for name, node in g.nodes_of(Op.BLOCK_ATTENTION):
+        i = int(node.attr("layer"))
+        refs = g.inputs(name)[:3]
+        prep = refs[0].node
+        assert [r.port for r in refs] == [0, 1, 2] and {r.node for r in refs} == {prep}
+        windows = ((0, qd, normed, True), (qd, qd + kvd, normed, True), (qd + kvd, qd + 2 * kvd, False, False))
+        assert g.node(prep).attr("windows") == windows
+        qkv, positions, table, *weights = g.inputs(prep)
+        assert (g.node(qkv.node).op, positions.node, table.node) == (Op.MATMUL, "blk_positions", "rope.inv_freq")
+        norms = [f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"] if normed else []
+        assert [g.node(w.node).attr("decl").sources[0] for w in weights] == norms
+    g = after.append_context
+    (prep,) = _ops(g, Op.HEAD_PREP)
+    assert g.inputs(prep)[0].node == "ctx_kv"
+    assert g.node(prep).attr("windows") == tuple(
+        (s * kvd, (s + 1) * kvd, normed and s % 2 == 0, s % 2 == 0) for s in range(2 * cfg.num_layers)
+    )
+    for name, node in g.nodes_of(Op.KV_WRITE):
+        assert g.inputs(name)[1] == Ref(prep, 2 * int(node.attr("layer")) + int(node.attr("which"))), name
+    assert_equivalent(_baseline(example), run(after, t.tensors), **TOL)
+
+
+def test_fuse_head_prep_needs_selected_rope() -> None:
+    t = _tiny("tiny-dflash")
+    program = _apply(t, [fuse_context_kv, fuse_qkv])  # RoPE still reads no table
+    assert all(dump(fuse_head_prep(g, _ctx(t))) == dump(g) for g in program.phases.values())
 
 
 # (c) structure: fuse_qkv ---------------------------------------------------------------------------------
