@@ -18,7 +18,8 @@ to exceed the L2 several times over, so the figure is a DRAM stream as in the mo
 weight is distinct; all groups' copies stay in device memory for the rounds. `--dependent-launch` launches
 them as the drafter does (dependent_launch.py): each call's weight stream starts while the previous call
 drains. `--sweep` adds knob variants of the big shapes to pick per-target defaults from, named
-`<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>` (plus `x<x_stages>n<n_warps>` in GEMM mode). `--gemm`
+`<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>` (plus `x<x_stages>n<n_warps>` in GEMM mode); `--small`
+and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one or two draft blocks. `--gemm`
 builds instead the GEMM mode of the tensor-core kernel (x through shared memory) against its default GEMV
 mode at 16-256 rows (1-16 sequences of 16 block rows), plus GEMM-mode correctness cases:
 
@@ -73,6 +74,16 @@ SMALL_SHAPES = ("qkv", "o_proj", "ctx_kv", "down", "gate_up", "fc")
 SMALL_KNOBS = (
     (4, 1, 2, 16, 2), (4, 1, 1, 16, 2), (8, 1, 1, 16, 2), (8, 1, 2, 16, 2), (8, 1, 4, 16, 2), (16, 1, 1, 16, 2),
     (16, 1, 2, 16, 2), (2, 1, 2, 16, 2), (2, 2, 2, 16, 2), (4, 2, 2, 16, 2), (8, 2, 1, 16, 2),
+)  # fmt: skip
+# --fp8: FP8-weight variants at one and two draft blocks, around the FP8 default (8, 1, 4, 16, 1): fewer warps
+# with a second stage, two row tiles (x fragments serve 32 weight rows), shorter and longer unrolls, and the
+# GEMM mode with n warps sharing x from shared memory (x out of the registers, the weight double-buffered)
+FP8_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+FP8_ROWS = (16, 32)
+FP8_KNOBS = (
+    (4, 1, 4, 16, 1), (4, 1, 2, 16, 2), (8, 1, 2, 16, 2), (16, 1, 2, 16, 1), (16, 1, 4, 16, 1), (8, 1, 8, 16, 1),
+    (8, 2, 2, 16, 1), (4, 2, 2, 16, 1), (4, 2, 1, 16, 2), (2, 1, 4, 16, 2, 3, 4), (4, 1, 4, 16, 2, 3, 2),
+    (1, 1, 4, 16, 2, 3, 4), (2, 1, 4, 32, 2, 3, 4),
 )  # fmt: skip
 # Small and odd shapes: the mma path with ragged rows and short k, and the SIMT fallback (correctness only).
 ODD: tuple[tuple[str, str, int, int, str], ...] = (
@@ -179,6 +190,8 @@ def build(args: argparse.Namespace) -> None:
                 add_variants(name, spec, SWEEP_KNOBS, SWEEP_ROWS)
             if args.small and label in SMALL_SHAPES and wdtype == BF16:
                 add_variants(name, spec, SMALL_KNOBS, (1, 16))
+            if args.fp8 and label in FP8_SHAPES and wdtype == FP8:
+                add_variants(name, spec, FP8_KNOBS, FP8_ROWS)
     for path, op, n, k, wdtype in odd:
         spec = LinearSpec(op=op, n=n, k=k, weight_dtype=wdtype)
         rule = mma if path == "mma" else gemv
@@ -414,6 +427,7 @@ def main() -> int:
     b.add_argument("--target", default="sm_90")
     b.add_argument("--sweep", action="store_true", help="add knob variants of the big shapes")
     b.add_argument("--small", action="store_true", help="add warps/unroll variants of the block-row layers")
+    b.add_argument("--fp8", action="store_true", help="add knob variants of the FP8-weight linears at 16-32 rows")
     b.add_argument("--gemm", action="store_true", help="only GEMM mode (x_stages) vs GEMV mode at 16-256 rows")
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")

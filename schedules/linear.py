@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -229,9 +229,6 @@ class LinearMmaRule(FamilyRule):
 
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows")
-    # FP8 weights in GEMV mode: a k step is 64 wide, so its x fragments take twice the registers; double-
-    # buffering them would need ~250 registers per thread, so one stage and more warps keep loads in flight.
-    FP8_DEFAULTS: ClassVar[dict[str, int]] = {"warps": 8, "stages": 1}
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
@@ -286,10 +283,29 @@ class LinearMmaRule(FamilyRule):
         m_tile = 128 if 3 * x_ring_bytes(2, 128, 4) <= target.shared_memory_per_sm else 64
         return {"warps": 4, "stages": 2, "m_tile": m_tile}
 
+    def gemv_defaults(self, spec: LinearSpec, target: Target) -> dict[str, int]:
+        """GEMV-mode knobs by weight shape, from the H200 sweeps at 16 rows (bench/linear.py --small --fp8, µs,
+        default → chosen):
+
+        * wide weights (n / 32 at least 4 blocks per SM: gate_up, lm_head) with FP8: two row tiles, so one x
+          fragment serves 32 weight rows and x's L2 traffic halves (an FP8 k step reads twice the weight's
+          bytes of x), 4 warps, 2-step batches, one stage (lm_head 252 → 185, gate_up 41.4 → 34.4);
+        * narrow weights with k <= 4096 (qkv, ctx_kv, o_proj): 2-step batches for either dtype, fewer
+          registers and so more resident blocks (qkv 16.6 → 16.1, ctx_kv 26.1 → 23.7; FP8 qkv 14.4 → 10.8);
+        * other FP8 weights (down, fc): 8 warps of one stage (the registers of a 64-wide k step's x fragments
+          leave no room for a second); bf16 keeps the target defaults.
+        """
+        wide = spec.n >= 4 * target.sm_count * 2 * MMA_ROWS
+        if spec.fp8 and wide:
+            return {"warps": 4, "row_tiles": 2, "unroll": 2, "stages": 1}
+        if not wide and spec.k <= 4096:
+            return {"unroll": 2}
+        return {"warps": 8, "stages": 1} if spec.fp8 else {}
+
     def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
-        """The target's defaults, then the GEMM-mode or FP8 ones, then `knobs`."""
+        """The target's defaults, then the GEMM-mode or the shape's GEMV-mode ones, then `knobs`."""
         gemm = self.resolve_knobs(target, knobs)["x_stages"] > 0  # also refuses unknown names and non-ints
-        mode = {**self.gemm_defaults(target), "gemm_rows": 0} if gemm else self.FP8_DEFAULTS if spec.fp8 else {}
+        mode = {**self.gemm_defaults(target), "gemm_rows": 0} if gemm else self.gemv_defaults(spec, target)
         return self.resolve_knobs(target, {**mode, **(knobs or {})})
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:

@@ -185,7 +185,7 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
     assert dict(kernel.knobs) == {
         "warps": 4,
         "row_tiles": 1,
-        "unroll": 4,
+        "unroll": 2 if target is SM90 else 4,  # narrow with k = 4096 on 132 SMs, wide on 48 (gemv_defaults)
         "m_tile": 16,
         "stages": 2,
         "x_stages": 0,
@@ -210,9 +210,9 @@ def test_fp8_kernel_has_its_own_defaults_and_scales():
     kernel = LinearMmaRule().apply(LinearSpec("lm_head", 151936, 4096, FP8), SM121)
     assert kernel is not None
     assert dict(kernel.knobs) == {
-        "warps": 8,
-        "row_tiles": 1,
-        "unroll": 4,
+        "warps": 4,
+        "row_tiles": 2,  # a wide FP8 weight: one x fragment per 32 weight rows
+        "unroll": 2,
         "m_tile": 16,
         "stages": 1,
         "x_stages": 0,
@@ -220,9 +220,30 @@ def test_fp8_kernel_has_its_own_defaults_and_scales():
         "gemm_rows": 32,
     }
     cuda, launch = _lower(kernel, SM121)
-    assert launch.grid == ("9496", "1", "1") and launch.block == ("32", "8", "1")
+    assert launch.grid == ("4748", "1", "1") and launch.block == ("32", "4", "1")
     assert {p.source for p in launch.params} == {"x", "w", "scale", "y", "m"}
     assert MMA_BF16 in cuda.source and "__nv_fp8_e4m3" in cuda.source
+
+
+@pytest.mark.parametrize(
+    ("spec", "target", "chosen"),
+    [
+        (LinearSpec("lm_head", 151936, 4096, FP8), SM90, {"warps": 4, "row_tiles": 2, "unroll": 2, "stages": 1}),
+        (LinearSpec("matmul_fp8", 24576, 4096, FP8), SM90, {"warps": 4, "row_tiles": 2, "unroll": 2, "stages": 1}),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), SM90, {"warps": 4, "row_tiles": 1, "unroll": 2, "stages": 2}),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), SM121, {"warps": 4, "row_tiles": 2, "unroll": 2, "stages": 1}),
+        (LinearSpec("matmul_fp8", 4096, 12288, FP8), SM90, {"warps": 8, "row_tiles": 1, "unroll": 4, "stages": 1}),
+        (LinearSpec("matmul", 10240, 4096), SM90, {"warps": 4, "row_tiles": 1, "unroll": 2, "stages": 2}),
+        (LinearSpec("matmul", 24576, 4096), SM90, {"warps": 4, "row_tiles": 1, "unroll": 4, "stages": 2}),
+        (LinearSpec("matmul", 4096, 12288), SM90, {"warps": 4, "row_tiles": 1, "unroll": 4, "stages": 2}),
+    ],
+    ids=["lm_head-fp8", "gate_up-fp8", "qkv-fp8", "qkv-fp8-gb10", "down-fp8", "ctx_kv", "gate_up", "down"],
+)
+def test_gemv_defaults_follow_the_weight_shape(spec, target, chosen):
+    """Wide means n / 32 >= 4 blocks per SM (16896 rows on the H200's 132 SMs, 6144 on GB10's 48)."""
+    kernel = LinearMmaRule().apply(spec, target)
+    assert {k: kernel.knobs[k] for k in chosen} == chosen
+    assert LinearMmaRule().apply(spec, target, {"row_tiles": 1, "warps": 2}).knobs["warps"] == 2  # knobs win
 
 
 @pytest.mark.parametrize(
@@ -433,7 +454,8 @@ def test_gemv_kernel_hands_many_rows_to_a_gemm_mode_kernel(spec, split, target):
     assert gemm.grid == (str(-(-spec.n // plan.block_rows)), "1", "1")
     assert gemm.block == ("32", str(plan.warps * plan.n_warps), "1")
     assert int(gemm.dynamic_smem) == plan.shared_bytes() <= target.max_shared_memory_per_block
-    assert gemv.dynamic_smem == "0" and gemv.grid == (str(-(-spec.n // 16)), "1", "1")
+    rows = 16 * kernel.knobs["row_tiles"]  # the GEMV-mode kernel's rows per block
+    assert gemv.dynamic_smem == "0" and gemv.grid == (str(-(-spec.n // rows)), "1", "1")
     start, end = kernel_bodies(cuda.source)[gemm.name]
     assert (
         "cp_async_ca_" in cuda.source[start:end]
