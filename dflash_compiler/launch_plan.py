@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from dflash_compiler.ir.graph import Graph, Ref
-from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.ops import CACHE_WRITES, Op
 from dflash_compiler.kernel_plan import KernelPlan
 from dflash_compiler.plans import MemoryPlan
 
@@ -96,7 +96,7 @@ def phase_plan(graph: Graph, plan: KernelPlan) -> PhasePlan:
                 kind = "weight"
             elif node.op is Op.STATE:
                 kind = "state"
-            elif node.op in (Op.KV_WRITE, Op.OUTPUT):
+            elif node.op in (*CACHE_WRITES, Op.OUTPUT):
                 kind, alias = "alias", args[0].render()
                 if node.op is Op.OUTPUT:
                     outputs.append((name, args[0].render()))

@@ -25,6 +25,7 @@ from dflash_compiler.ir_passes.context import Pass, PassContext
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
 from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
 from dflash_compiler.ir_passes.fuse_head_prep import fuse_head_prep
+from dflash_compiler.ir_passes.fuse_kv_writes import fuse_kv_writes
 from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
 from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.plan_memory import plan_memory
@@ -44,6 +45,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("fuse_gate_up", fuse_gate_up),
     ("select_rope", select_rope),
     ("fuse_head_prep", fuse_head_prep),
+    ("fuse_kv_writes", fuse_kv_writes),
     ("choose_precision", choose_precision),
     ("fuse_residual_norm", fuse_residual_norm),
     ("size_kv_cache", size_kv_cache),

@@ -9,7 +9,7 @@ with every dim bound to its maximum (``ctx`` = max_ctx_rows, ``nb`` = max_batch,
 block, ``maxp`` = pages_per_seq, ``pages`` = num_pages): every scratch value has a 256-byte aligned offset,
 and two values live at the same step never share a byte. Nodes are unchanged.
 
-What is scratch: every node output except graph inputs, weights, the KV state (KV_WRITE updates it in
+What is scratch: every node output except graph inputs, weights, the KV state (KV_WRITE and KV_WRITES update it in
 place) and the values OUTPUT nodes return (the runtime hands those to the caller). A SLICE output is a
 column range of a row-major value, which no kernel can read as a contiguous tensor, so the slice kernel
 copies it into a buffer of its own like any other node. ``_VIEWS`` lists ops whose output would alias
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 from dflash_compiler.errors import Problem
 from dflash_compiler.ir.graph import Graph, Ref, TensorType, eval_dim
-from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.ops import CACHE_WRITES, Op
 from dflash_compiler.ir_passes.context import PassContext
 from dflash_compiler.ir_passes.size_kv_cache import make_kv_plan, serving_block_size
 from dflash_compiler.plans import Buffer, KVCachePlan, MemoryPlan, PlanError, View, dtype_bytes
 
 ALIGNMENT = 256
-_NOT_SCRATCH = (Op.INPUT, Op.WEIGHT, Op.STATE, Op.OUTPUT, Op.KV_WRITE)
+_NOT_SCRATCH = (Op.INPUT, Op.WEIGHT, Op.STATE, Op.OUTPUT, *CACHE_WRITES)
 _VIEWS: tuple[Op, ...] = ()
 
 

@@ -63,6 +63,15 @@ def _kv_write(node: Node, args: list[np.ndarray]) -> np.ndarray:
     return cache
 
 
+def _kv_writes(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    cache, slots, rows = args[0], args[1], args[2:]
+    page = int(node.attr("page_size"))
+    for (layer, which), values in zip(node.attr("targets"), rows, strict=True):
+        one = Node.make(Op.KV_WRITE, node.outputs, layer=layer, which=which, page_size=page)
+        cache = _kv_write(one, [cache, values, slots])
+    return cache
+
+
 def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, window: int | None) -> np.ndarray:
     """visible[q, k] for absolute positions (DFLASH.md §1.4)."""
     diff = q_pos[:, None] - k_pos[None, :]
@@ -233,6 +242,7 @@ _IMPL: dict[Op, _Impl] = {
     Op.SLICE: lambda n, a: a[0][:, int(n.attr("start")) : int(n.attr("stop"))],
     Op.DROP_ANCHOR: _drop_anchor,
     Op.KV_WRITE: _kv_write,
+    Op.KV_WRITES: _kv_writes,
     Op.MATMUL: lambda n, a: _f32(a[0]) @ _f32(a[1]).T,
     Op.MATMUL_FP8: _matmul_fp8,
     Op.LM_HEAD: lambda n, a: _matmul_fp8(n, a) if len(a) == 3 else _f32(a[0]) @ _f32(a[1]).T,

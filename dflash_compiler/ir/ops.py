@@ -30,6 +30,7 @@ class Op(StrEnum):
     SLICE = "slice"  # a column range of a 2-D tensor
     DROP_ANCHOR = "drop_anchor"  # block rows 1..B-1 of each sequence
     KV_WRITE = "kv_write"  # rows of K or V of one layer into their page slots
+    KV_WRITES = "kv_writes"  # several such writes sharing the slots: (layer, K or V) targets, one update
     # linear
     MATMUL = "matmul"  # y = x @ W.T (W [N, K], bf16/fp32)
     MATMUL_FP8 = "matmul_fp8"  # y = (x @ W8.T) * scale[N] (W8 e4m3, per-output-row fp32 scale)
@@ -74,6 +75,7 @@ _KIND: dict[Op, OpKind] = {
     Op.SLICE: OpKind.MEMORY,
     Op.DROP_ANCHOR: OpKind.MEMORY,
     Op.KV_WRITE: OpKind.MEMORY,
+    Op.KV_WRITES: OpKind.MEMORY,
     Op.MATMUL: OpKind.LINEAR,
     Op.MATMUL_FP8: OpKind.LINEAR,
     Op.LM_HEAD: OpKind.LINEAR,
@@ -100,3 +102,6 @@ _KIND: dict[Op, OpKind] = {
 # embedding table of EMBED and the Markov head's w1 of MARKOV_WALK. A step's DRAM traffic counts the
 # whole of every other weight it reads, and only the gathered rows of these.
 GATHERED_ARGS: dict[Op, int] = {Op.EMBED: 1, Op.MARKOV_WALK: 2}
+
+# Ops whose output is their first input (the paged KV cache) updated in place.
+CACHE_WRITES: tuple[Op, ...] = (Op.KV_WRITE, Op.KV_WRITES)

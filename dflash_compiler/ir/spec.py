@@ -110,6 +110,24 @@ def _head_prep(node: Node, ins: list[TensorType]) -> list[str]:
     return errs
 
 
+def _kv_writes(node: Node, ins: list[TensorType]) -> list[str]:
+    cache, slots, rows = ins[0], ins[1], ins[2:]
+    targets = node.attr("targets")
+    errs = _same_as_input(node, ins)
+    errs += _expect(len(cache.shape) == 6, f"cache {cache.render()} is not [layers, 2, pages, page, heads, dim]")
+    errs += _expect(len(rows) == len(targets), f"{len(rows)} row inputs for {len(targets)} (layer, which) targets")
+    errs += _expect(slots.dtype == "int32" and len(slots.shape) == 1, "slots must be i32[rows]")
+    if len(cache.shape) == 6:
+        width = f"{cache.shape[4]}*{cache.shape[5]}"
+        for r in rows:
+            ok = _same(r.shape[0], slots.shape[0]) and isinstance(r.shape[-1], int)
+            ok = ok and r.shape[-1] == int(cache.shape[4]) * int(cache.shape[5])
+            errs += _expect(ok, f"rows {r.render()} are not [{slots.shape[0]}, {width}]")
+        for layer, which in targets:
+            errs += _expect(0 <= layer < int(cache.shape[0]) and which in (0, 1), f"target ({layer}, {which})")
+    return errs
+
+
 def _rmsnorm_residual(node: Node, ins: list[TensorType]) -> list[str]:
     a, b, w = ins
     errs = _expect(all(_same(x, y) for x, y in zip(a.shape, b.shape, strict=True)), "residual operands differ")
@@ -163,6 +181,8 @@ SPECS: dict[Op, OpSpec] = {
     Op.SLICE: OpSpec((1, 1), ("start", "stop"), rule=_slice),
     Op.DROP_ANCHOR: OpSpec((1, 1), ("block",)),
     Op.KV_WRITE: OpSpec((3, 3), ("layer", "which", "page_size"), rule=_same_as_input),
+    # (cache, slots, rows...): targets = ((layer, which), ...), one per rows input
+    Op.KV_WRITES: OpSpec((3, 2 + 256), ("targets", "page_size"), rule=_kv_writes),
     Op.MATMUL: OpSpec((2, 2), rule=_matmul),
     Op.MATMUL_FP8: OpSpec((3, 3), rule=_matmul),
     Op.LM_HEAD: OpSpec((2, 3), rule=_matmul),  # (x, W) or FP8 (x, W8 e4m3 [V, H], scale f32[V])

@@ -114,7 +114,7 @@ def _f32(width: int | str, rows: str = DRAFTS) -> TensorType:
     return TensorType(F32, (rows, width))
 
 
-REAL_NODES = [  # as in /tmp/dump/*/09_plan_memory.*.txt (qwen3-8b-dflash-b16, qwen3.5-9b, tiny-dspark)
+REAL_NODES = [  # as in /tmp/dump/*/10_plan_memory.*.txt (qwen3-8b-dflash-b16, qwen3.5-9b, tiny-dspark)
     (_inst(Op.SILU_MUL, _bf16(12288), _bf16(24576)), "silu_mul_w12288"),
     (_inst(Op.SILU_MUL, _bf16(17408), _bf16(34816)), "silu_mul_w17408"),
     (_inst(Op.SILU_MUL, _bf16(128), _bf16(128), _bf16(128)), "silu_mul2_w128"),

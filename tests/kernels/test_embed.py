@@ -132,7 +132,7 @@ def _inst(op: Op, out: TensorType, *inputs: TensorType, **attrs) -> OpInstance:
     return OpInstance(f"n.{op.value}", Node.make(op, [out], **attrs), tuple(inputs))
 
 
-REAL_NODES = [  # as in /tmp/dump/*/09_plan_memory.propose.txt
+REAL_NODES = [  # as in /tmp/dump/*/10_plan_memory.propose.txt
     (
         _inst(
             Op.EMBED, TensorType(BF16, (ROWS, 4096)), TensorType("int32", (ROWS,)), TensorType(BF16, (151936, 4096)),

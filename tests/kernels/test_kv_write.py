@@ -15,7 +15,7 @@ import pytest
 
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
-from dflash_compiler.schedules.kv_write import KVWriteRule, KVWriteSpec
+from dflash_compiler.schedules.kv_write import KVWriteRule, KVWriteSpec, KVWritesSpec
 from dflash_compiler.targets import SM90, SM121
 
 tvm = pytest.importorskip("tvm")
@@ -172,3 +172,51 @@ def test_nvrtc_compiles_for_sm90a():
     assert cubin_arch(cubin) == "sm_90a"
     for name in cuda.kernel_names():
         assert name.encode() + b"\0" in cubin
+
+
+# ------------------------------------------------------------------- kv_writes: every target in one launch
+
+QWEN_CONTEXT = tuple((layer, which) for layer in range(5) for which in (0, 1))  # fuse_kv_writes on qwen3-8b
+
+
+@pytest.mark.parametrize(
+    ("spec", "sizes"),
+    [
+        (KVWritesSpec(layers=5, kv_heads=8, head_dim=128, targets=QWEN_CONTEXT), {"m": 7, "pages": 3}),
+        (KVWritesSpec(layers=2, kv_heads=2, head_dim=16, targets=((1, 1), (0, 0), (1, 0))), {"m": 5, "pages": 2}),
+        (KVWritesSpec(layers=1, kv_heads=3, head_dim=12, targets=((0, 0), (0, 1))), {"m": 9, "pages": 3}),
+    ],
+    ids=["qwen3-8b-context", "out-of-order", "odd-heads"],
+)
+def test_kv_writes_llvm_matches_interpreter(spec, sizes):
+    """The CPU build of the same TVMScript as the CUDA kernel (serial loops) against the interpreter, which
+    is the chain of single writes fuse_kv_writes replaced."""
+    got = assert_spec_matches_numpy(spec, sizes, seed=sizes["m"])["cache"]
+    arrays = spec.sample(np.random.default_rng(sizes["m"]), sizes)
+    flat = got.reshape(spec.layers, 2, -1, spec.width)
+    for j, (layer, which) in enumerate(spec.targets):
+        np.testing.assert_array_equal(flat[layer, which][arrays["slots"]], arrays[f"rows{j}"])
+
+
+def test_kv_writes_rule_takes_the_fused_node_with_the_whole_cache():
+    cache = TensorType(BF16, (5, 2, "pages", 16, 8, 128))
+    rows = [TensorType(BF16, ("ctx", 1024))] * 10
+    node = Node.make(Op.KV_WRITES, [cache], targets=QWEN_CONTEXT, page_size=16)
+    op = OpInstance("l4.write_v", node, (cache, TensorType("int32", ("ctx",)), *rows))
+    rule = KVWriteRule()
+    spec = rule.spec_of(op)
+    assert spec == KVWritesSpec(layers=5, kv_heads=8, head_dim=128, targets=QWEN_CONTEXT)
+    assert rule.views(op) == {}
+    assert [p.name for p in spec.params()] == ["cache", "slots", *(f"rows{j}" for j in range(10))]
+    kernel = rule.apply(op, SM90)
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
+    (launch,) = cuda.functions[kernel.name].kernels
+    # 10 targets x 7 rows x 128 16-byte copies over 256-thread blocks
+    assert launch.launch_dims({"m": 7, "pages": 4}) == ((35, 1, 1), (256, 1, 1), 0)
+    assert cuda.source.count("*(uint4*)(cache_ptr") == 10
+    with pytest.raises(ScheduleError, match="targets"):
+        KVWritesSpec(layers=2, kv_heads=8, head_dim=128, targets=((2, 0),))
+    from dflash_compiler.cubin import cubin_arch
+    from dflash_compiler.nvrtc import compile_cubin
+
+    assert cubin_arch(compile_cubin(cuda.source, "sm_90a")) == "sm_90a"

@@ -21,6 +21,7 @@ from dflash_compiler.ir_passes.context import Pass, PassContext
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
 from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
 from dflash_compiler.ir_passes.fuse_head_prep import fuse_head_prep
+from dflash_compiler.ir_passes.fuse_kv_writes import fuse_kv_writes
 from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
 from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.select_rope import RopeChoice, UnsupportedRopeError, select_rope
@@ -36,6 +37,7 @@ PASSES: dict[str, Pass] = {
     "fuse_residual_norm": fuse_residual_norm,
     "select_rope": select_rope,
     "fuse_head_prep": fuse_head_prep,  # after select_rope: it fuses only selected RoPE
+    "fuse_kv_writes": fuse_kv_writes,
 }
 # (pass, example, phase): the phase the pass rewrites, on tiny-dflash and on DFlash2's conv-wrapped layers.
 GOLDEN_CASES: tuple[tuple[str, str, str], ...] = (
@@ -51,6 +53,7 @@ GOLDEN_CASES: tuple[tuple[str, str, str], ...] = (
 )
 # Phases a pass must leave exactly as they are (the pattern does not occur there).
 UNTOUCHED = {
+    "fuse_kv_writes": "propose",
     "fuse_context_kv": "propose",
     "fuse_qkv": "append_context",
     "fuse_gate_up": "append_context",
@@ -236,6 +239,27 @@ def test_fuse_head_prep_structure(example: str) -> None:
     for name, node in g.nodes_of(Op.KV_WRITE):
         assert g.inputs(name)[1] == Ref(prep, 2 * int(node.attr("layer")) + int(node.attr("which"))), name
     assert_equivalent(_baseline(example), run(after, t.tensors), **TOL)
+
+
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_kv_writes_structure(example: str) -> None:
+    """append_context's writes of every layer's K then V into the step's slots become one node whose targets
+    follow the layers; the rows each target reads are the ones its KV_WRITE read."""
+    t = _tiny(example)
+    cfg = t.config
+    before = t.program.append_context
+    g = fuse_kv_writes(before, _ctx(t))
+    assert not _ops(g, Op.KV_WRITE)
+    (fused,) = _ops(g, Op.KV_WRITES)
+    targets = tuple((i, which) for i in range(cfg.num_layers) for which in (0, 1))
+    assert g.node(fused).attr("targets") == targets
+    cache, slots, *rows = g.inputs(fused)
+    assert (cache.node, slots.node) == ("kv_cache", "ctx_slots")
+    writes = before.nodes_of(Op.KV_WRITE)
+    old = {(int(n.attr("layer")), int(n.attr("which"))): before.inputs(name)[1] for name, n in writes}
+    assert rows == [old[t] for t in targets]
+    assert _readers(g, fused) == _readers(before, _ops(before, Op.KV_WRITE)[-1])  # the phase's cache output
+    assert_equivalent(_baseline(example), run(_apply(t, [fuse_kv_writes]), t.tensors), **TOL)
 
 
 def test_fuse_head_prep_needs_selected_rope() -> None:
