@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_compiler.ir.graph import Graph, Node, Ref
-from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.ops import HEAD_PREP_HEAD_DIMS, Op
 
 from ._rewrite import fresh_name, in_original_order, remove_dead
 from .context import PassContext
@@ -59,12 +59,6 @@ def _chain(graph: Graph, name: str) -> _Chain:
     return _Chain(name, int(node.attr("start")), int(node.attr("stop")), norm, rope)
 
 
-def supported_head_dim(head_dim: int) -> bool:
-    """Half a head in whole 16-byte bf16 vectors, one per lane, over 2^i lanes of one warp (module docstring)."""
-    lanes = head_dim // 16
-    return head_dim % 16 == 0 and 1 <= lanes <= 32 and lanes & (lanes - 1) == 0
-
-
 def _group(graph: Graph, chains: list[_Chain]) -> tuple[list[_Chain], dict[str, object]] | None:
     """The chains that can share one HEAD_PREP and its attributes, or None when none has a RoPE."""
     first_rope = next((c.rope for c in chains if c.rope), None)
@@ -72,7 +66,7 @@ def _group(graph: Graph, chains: list[_Chain]) -> tuple[list[_Chain], dict[str, 
         return None
     rope = graph.node(first_rope)
     d, rope_inputs = int(rope.attr("head_dim")), graph.inputs(first_rope)[1:]
-    if not supported_head_dim(d):
+    if d not in HEAD_PREP_HEAD_DIMS:
         return None
     factor = float(rope.attr("attention_factor"))
     first_norm = next((c.norm for c in chains if c.norm), None)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from dflash_compiler.ir.graph import Node, TensorType
-from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.ops import HEAD_PREP_HEAD_DIMS, Op
 from dflash_compiler.targets import Target
 
 from .base import FamilyRule, KernelSpec, OpInstance, Param, ScheduleError
@@ -49,8 +49,7 @@ class HeadPrepSpec(KernelSpec):
     name: str = ""
 
     def __post_init__(self) -> None:
-        lanes = self.head_dim // 16
-        if self.head_dim % 16 or not 1 <= lanes <= 32 or lanes & (lanes - 1):
+        if self.head_dim not in HEAD_PREP_HEAD_DIMS:
             raise ScheduleError(
                 f"head_prep: head_dim {self.head_dim} is not 16·2^i up to 512; each of a head's lanes holds one "
                 "16-byte vector of both halves. Fix: leave such heads to the head_rmsnorm and rope kernels"
@@ -104,9 +103,8 @@ class HeadPrepSpec(KernelSpec):
         weights = [te.placeholder((d,), DTYPE, name=f"w{j}") for j in range(self.norms)]
         norm_weights = iter(weights)
         outs = [
-            _window_compute(x, positions, inv_freq, next(norm_weights) if norm else None, rows, window, j, self)
+            _window_compute(x, positions, inv_freq, next(norm_weights) if window[2] else None, rows, window, j, self)
             for j, window in enumerate(self.windows)
-            for norm in [window[2]]
         ]
         sch = s_tir.Schedule(te.create_prim_func([x, positions, inv_freq, *weights, *outs]))
         for j in range(len(self.windows)):  # y{j}[i, h, s, f] is the parameter's row i, column h*d + s*d/2 + f

@@ -198,9 +198,9 @@ class KVWritesSpec(KernelSpec):
         return {"cache": written}
 
     def sample(self, rng: np.random.Generator, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
-        one = KVWriteSpec(self.kv_heads, self.head_dim, self.page_size).sample(rng, sizes)
         import ml_dtypes
 
+        one = KVWriteSpec(self.kv_heads, self.head_dim, self.page_size).sample(rng, sizes)
         shape = (self.layers, 2, *one["cache"].shape)
         cache = rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
         rows = {f"rows{j}": rng.standard_normal(one["rows"].shape, np.float32).astype(ml_dtypes.bfloat16)

@@ -220,9 +220,9 @@ def _head_rmsnorm(node: Node, args: list[np.ndarray]) -> np.ndarray:
 
 
 def _head_prep(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, ...]:
-    x, pos, inv_freq, norm_weights = _f32(args[0]), np.asarray(args[1]), args[2], iter(args[3:])
+    x, pos, norm_weights = _f32(args[0]), np.asarray(args[1]), iter(args[3:])
     d, eps = int(node.attr("head_dim")), float(node.attr("eps"))
-    cos, sin = cos_sin(pos, _f32(inv_freq).astype(np.float64), float(node.attr("attention_factor")))
+    cos, sin = cos_sin(pos, *_rope_from(node, args[2]))
     outs = []
     for start, stop, norm, rope in node.attr("windows"):
         heads = x[:, start:stop].reshape(x.shape[0], -1, d)

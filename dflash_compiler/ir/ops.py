@@ -103,5 +103,9 @@ _KIND: dict[Op, OpKind] = {
 # whole of every other weight it reads, and only the gathered rows of these.
 GATHERED_ARGS: dict[Op, int] = {Op.EMBED: 1, Op.MARKOV_WALK: 2}
 
+# Head dims HEAD_PREP takes: half a head in whole 16-byte bf16 vectors, one per lane, over a power-of-two
+# number of lanes of one warp (head_dim / 16 = 1, 2, 4, ..., 32).
+HEAD_PREP_HEAD_DIMS: tuple[int, ...] = tuple(16 << i for i in range(6))
+
 # Ops whose output is their first input (the paged KV cache) updated in place.
 CACHE_WRITES: tuple[Op, ...] = (Op.KV_WRITE, Op.KV_WRITES)
