@@ -2,18 +2,24 @@
 short sequences, built by one rule (the tensor-core one, or the SIMT one to compare against).
 
     # build box
-    python bench/attention.py -o build/attn_mma [--rule block_attention] [--splits N]
+    python bench/attention.py -o build/attn_mma [--rule block_attention]
     # GPU box: check against numpy and time (same runner as the drafter's kernels)
     PYTHONPATH=. python bench/kernels.py run build/attn_mma
 
 Cases: 1 and 8 sequences with up to 4096 + 16 cached rows each (the first one full, the others random
 lengths), and 3 sequences of at most 80 rows (empty splits, chunks cut by the split's end).
+
+`--variant` instead builds the Qwen3-8B drafter's attention once per knob set, each kernel named after its
+knobs, at 1, 3, 8 and 16 sequences, to compare schedules in one run:
+
+    python bench/attention.py -o build/attn_knobs --variant splits=16 --variant splits=16,slots=528
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +44,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="sm_90")
     parser.add_argument("--rule", default="block_attention_mma", choices=["block_attention_mma", "block_attention"])
-    parser.add_argument("--splits", type=int, help="override the rule's splits knob")
+    parser.add_argument(
+        "--variant", action="append", default=[], help="knob set 'name=value,...' of the Qwen3-8B kernel (repeatable)"
+    )
     parser.add_argument("-o", "--out", required=True)
     args = parser.parse_args()
 
@@ -54,9 +62,21 @@ def main() -> int:
     target = get_target(args.target)
     rule = next(r for r in RULES if r.name == args.rule)
     kernels, cases = [], []
-    for block, heads, kv_heads, dim, causal, window in VARIANTS:
+    if args.variant:
+        spec = BlockAttentionSpec(*VARIANTS[0])
+        for text in args.variant:
+            knobs = {k: int(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+            kernel = rule.apply(spec, target, knobs)
+            if kernel is None:
+                raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")
+            name = f"{spec.name}__" + "_".join(f"{k}{v}" for k, v in sorted(knobs.items()))
+            kernels.append(replace(kernel, name=name, func=kernel.func.with_attr("global_symbol", name)))
+            for label, nb, maxp in (*SIZES, ("long nb=16", 16, 258)):
+                sizes = {"m": nb * spec.block, "pages": nb * maxp + 1, "nb": nb, "maxp": maxp}
+                cases.append(CheckCase(name, sizes, label))
+    for block, heads, kv_heads, dim, causal, window in () if args.variant else VARIANTS:
         spec = BlockAttentionSpec(block, heads, kv_heads, dim, causal, window)
-        kernel = rule.apply(spec, target, None if args.splits is None else {"splits": args.splits})
+        kernel = rule.apply(spec, target)
         if kernel is None:
             raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")
         kernels.append(kernel)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -174,6 +174,7 @@ class AttentionLayout:
     splits: int
     q_f32: bool = True
     kv_f32: bool = True
+    slots: int = 0  # as in split_span_macro: > 0, the grid a batch's splits aim at
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,8 @@ def _pv_columns(dim: int) -> tuple[int, int, int]:
 
 
 def cpu_layout(spec: BlockAttentionSpec) -> AttentionLayout:
-    return fit_layout(spec, None, threads=64, chunk=16, splits=3)
+    # slots for 3 splits of up to 2 sequences: a batch of 3 takes 2 splits each (the shrunken spans)
+    return replace(fit_layout(spec, None, threads=64, chunk=16, splits=3), slots=6 * spec.kv_heads)
 
 
 def fit_layout(
@@ -290,23 +292,33 @@ def fit_layout(
 # ------------------------------------------------------------------------ pieces both kernels share
 
 
-def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int) -> Any:
-    """`split_span(span, s, n, blk_positions)`: span[0] = the first key any query of sequence s can see (a
-    window hides older cached rows), span[1] = keys per split: the rest of the keys in `splits` equal spans,
-    multiples of `chunk`. The split kernels and the merge must agree on it."""
+def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: int = 0) -> Any:
+    """`split_span(span, s, n, blk_positions, nb)`: span[0] = the first key any query of sequence s can see
+    (a window hides older cached rows), span[1] = keys per split: the rest of the keys in equal spans,
+    multiples of `chunk`. The split kernels and the merge must agree on it.
+
+    With `slots` > 0 (the grid, in blocks, a batch aims at) a batch of `nb` sequences cuts each (sequence,
+    kv head) into only `slots // (nb · kv_heads)` spans (at least 1, at most `splits`): a larger batch keeps
+    about the same grid and writes and merges fewer partial rows instead of more. The blocks of the spans
+    past that exit at once."""
     from tvm.script import tirx as T
 
-    blk, window = spec.block, spec.window
+    blk, window, hkv = spec.block, spec.window, spec.kv_heads
 
     @T.macro
-    def split_span(span: Any, s: Any, n: Any, blk_positions: Any) -> None:
+    def split_span(span: Any, s: Any, n: Any, blk_positions: Any, nb: Any) -> None:
         span[0] = 0
         if window is not None:
             span[0] = blk_positions[s * blk]
             for i in T.serial(1, blk):
                 span[0] = T.min(span[0], blk_positions[s * blk + i])
             span[0] = T.max(0, T.min(n, span[0] - window + 1))
-        span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], splits), chunk) * chunk
+        if slots > 0:
+            span[1] = (
+                T.ceildiv(T.ceildiv(n + blk - span[0], T.max(1, T.min(splits, slots // (nb * hkv)))), chunk) * chunk
+            )
+        else:
+            span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], splits), chunk) * chunk
 
     return split_span
 
@@ -319,7 +331,7 @@ def merge_blocking(spec: BlockAttentionSpec) -> tuple[int, int]:
     return per_block, per_block * vecs
 
 
-def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool) -> Any:
+def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, slots: int = 0) -> Any:
     """`merge(part_o, part_ml, cache_lens, blk_positions, out, nb)`: the second kernel, merging the splits'
     unnormalised outputs `part_o[nb, kv_heads, splits, rows, dim]` with their log-sum-exp weights from
     `part_ml[..., (max, sum)]` (base 2) and writing bf16 `out`.
@@ -335,7 +347,7 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool)
     unroll = min(splits, 16)
     passes = -(-splits // unroll)
     local = "local" if device else "global"
-    split_span = split_span_macro(spec, splits, chunk)
+    split_span = split_span_macro(spec, splits, chunk, slots)
 
     def grid(n: Any, tag: str) -> Any:
         return T.thread_binding(n, thread=tag) if device else T.serial(n)
@@ -355,7 +367,7 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool)
                         mstat = T.sblock_alloc_buffer((mt, 3), "float32", scope=local)  # max, sum, weight
                         macc = T.sblock_alloc_buffer((mt, 4), "float32", scope=local)
                         # only the first ceil(keys / span) splits saw keys
-                        split_span(used, s, cache_lens[s], blk_positions)
+                        split_span(used, s, cache_lens[s], blk_positions, nb)
                         used[0] = T.ceildiv(cache_lens[s] + blk - used[0], used[1])
                         for t in lanes(mt):
                             hd = T.meta_var(hb * per_block + t // vecs)
@@ -391,16 +403,18 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool)
     return merge
 
 
-def attention_prim_func(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, split: Any) -> Any:
+def attention_prim_func(
+    spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, split: Any, slots: int = 0
+) -> Any:
     """The block-attention PrimFunc both kernels share: the parameters, the host workspaces between the two
     kernels (unnormalised outputs and (max, sum) per split), the split kernel `split(q, k, v, kv, block_table,
     cache_lens, blk_positions, part_o, part_ml, nb)` and the merge kernel. The splits' spans are cut in
-    multiples of `chunk` keys."""
+    multiples of `chunk` keys, `slots` as `split_span_macro` says."""
     from tvm.script import tirx as T
 
     heads, hkv, dim, page = spec.heads, spec.kv_heads, spec.head_dim, spec.page_size
     rows = spec.block * spec.group
-    merge = merge_macro(spec, splits, chunk, device)
+    merge = merge_macro(spec, splits, chunk, device, slots)
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -482,7 +496,7 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
     shared = "shared.dyn" if device else "global"
     local = "local" if device else "global"
     q_loads, kv_loads = qr * (dim // lv), chunk * (dim // lv)
-    split_span = split_span_macro(spec, splits, chunk)
+    split_span = split_span_macro(spec, splits, chunk, layout.slots)
 
     def grid(n: Any, tag: str) -> Any:
         return T.thread_binding(n, thread=tag) if device else T.serial(n)
@@ -572,7 +586,7 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
                         # span[0] = first visible key, [1] = keys per split; then [0] = this split's start, [2] =
                         # its end, [3] = its chunk count. (A buffer, not lets: TVM refuses loads of allocated
                         # buffers in lets.)
-                        split_span(span, s, n, blk_positions)
+                        split_span(span, s, n, blk_positions, nb)
                         span[0] = span[0] + p * span[1]
                         span[2] = T.min(span[0] + span[1], n + blk)
                         span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], chunk), 0)
@@ -746,7 +760,7 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
                                     part_ml[s, g, p, rr * nt + t, 0] = m_run[t, rr]
                                     part_ml[s, g, p, rr * nt + t, 1] = l_run[t, rr]
 
-    return attention_prim_func(spec, splits, chunk, device, split)
+    return attention_prim_func(spec, splits, chunk, device, split, layout.slots)
 
 
 # --------------------------------------------------------------------------------------------- rule

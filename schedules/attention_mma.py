@@ -10,17 +10,22 @@ Thread block = (split, kv head, sequence), `warps` = ceil(block·group / 16) war
 query rows is (block row r // group, head r % group of the kv head's group), as in the SIMT kernel. Keys go
 in groups of `warps` chunks of 16: warp w fetches chunk w of the next group into registers (16-byte loads,
 cached rows through the page table, then the block's own rows) while every warp computes the current group
-from shared memory; a barrier separates the two. Per 16-key chunk and warp:
+from shared memory; a barrier separates the two. A warp takes the group's chunks `tile_chunks` at a time
+(one softmax step of 16·tile_chunks keys); per step:
 
 * S = Q·Kᵀ: Q (A operand) stays in registers for the whole kernel; K rows are the B operand's columns.
   Logical k (head dim) is permuted as in `linear_mma.py` so that every fragment is one 16-byte vector per
-  thread: mma j of a 32-wide step takes logical 2t+e ↦ 8t + 4j + e and 2t+8+e ↦ 8t + 4j + 2 + e.
-* online softmax in base 2 on the S accumulators: a row's 16 scores sit in the 4 threads of a lane quad,
-  whose max is combined with two xor shuffles; the running sum stays per thread until the end.
-* O += P·V: the S accumulators of the chunk's two 8-key tiles are exactly the A fragment of P (keys in
-  natural order). For V the output columns are permuted instead: column g of d-tile j is head-dim element
-  g·(dim/8) + j, so a thread's B fragments for all d-tiles come from 2–4 contiguous vectors of each of its
-  4 keys; the output is written back through the same map.
+  thread: mma j of a 32-wide step takes logical 2t+e ↦ 8t + 4j + e and 2t+8+e ↦ 8t + 4j + 2 + e. The
+  head_dim / 16 mmas of one 8-key tile accumulate into `qk_chains` separate accumulators, summed after,
+  so the chain of dependent mmas (each waits for the last one's result) is that many times shorter.
+* online softmax in base 2 on the S accumulators: a row's scores sit in the 4 threads of a lane quad,
+  whose max is combined with two xor shuffles; the running sum stays per thread until the end. The max,
+  the shuffles and the rescale of the output accumulators (head_dim / 2 multiplies per thread) happen once
+  per step, so a step of several chunks spends them on more keys.
+* O += P·V per chunk of the step: the S accumulators of the chunk's two 8-key tiles are exactly the A
+  fragment of P (keys in natural order). For V the output columns are permuted instead: column g of
+  d-tile j is head-dim element g·(dim/8) + j, so a thread's B fragments for all d-tiles come from 2–4
+  contiguous vectors of each of its 4 keys; the output is written back through the same map.
 
 Keys past the split's end, or hidden by the mask, score -inf (weight exactly 0); their loads read the
 split's last key instead, so no value is garbage. Rows past block·group (a ragged last warp) read row
@@ -60,6 +65,9 @@ class MmaAttentionPlan:
 
     warps: int  # 16 query rows each; also the chunks per group
     splits: int  # thread blocks per (sequence, kv head)
+    qk_chains: int = 1  # independent accumulator chains of Q·Kᵀ's k steps (2 halves its mma latency chain)
+    tile_chunks: int = 1  # chunks per softmax step (its max, rescale and shuffles amortised over 16·this keys)
+    slots: int = 0  # > 0: the grid a batch's splits aim at (blocks); a larger batch takes fewer splits
 
     def shared_bytes(self, spec: BlockAttentionSpec) -> int:
         """The staged K and V chunks of one group, padded rows."""
@@ -82,11 +90,31 @@ def _warps(spec: BlockAttentionSpec) -> int:
     return -(-spec.block * spec.group // 16)
 
 
-def fit_mma_attention(spec: BlockAttentionSpec, target: Target, splits: int) -> MmaAttentionPlan:
+def fit_mma_attention(
+    spec: BlockAttentionSpec,
+    target: Target,
+    splits: int,
+    qk_chains: int = 1,
+    tile_chunks: int = 1,
+    slots: int = 0,
+) -> MmaAttentionPlan:
     """The plan for `spec` (which `mma_attention_fits` `target`) with `splits` blocks per (sequence, kv head)."""
     if not 1 <= splits <= 256:
         raise ScheduleError(f"{AttentionMmaRule.name} knob splits={splits}: expected 1 to 256")
-    return MmaAttentionPlan(warps=_warps(spec), splits=splits)
+    if qk_chains not in (1, 2, 4) or (spec.head_dim // 16) % qk_chains:
+        raise ScheduleError(
+            f"{AttentionMmaRule.name} knob qk_chains={qk_chains}: expected 1, 2 or 4 dividing the "
+            f"{spec.head_dim // 16} k steps of head_dim {spec.head_dim}"
+        )
+    warps = _warps(spec)
+    if tile_chunks < 1 or warps % tile_chunks:
+        raise ScheduleError(
+            f"{AttentionMmaRule.name} knob tile_chunks={tile_chunks}: expected a divisor of the {warps} chunks "
+            "a group stages (one per warp)"
+        )
+    if slots < 0:
+        raise ScheduleError(f"{AttentionMmaRule.name} knob slots={slots}: expected 0 (off) or a block count")
+    return MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots)
 
 
 def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
@@ -105,7 +133,10 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     group_keys = warps * CHUNK
     q_scale = math.log2(math.e) / math.sqrt(dim)
     masked = spec.causal or spec.window is not None
-    split_span = split_span_macro(spec, splits, CHUNK)
+    split_span = split_span_macro(spec, splits, CHUNK, plan.slots)
+    chains = plan.qk_chains
+    kt = plan.tile_chunks  # chunks per softmax step
+    nts = 2 * kt  # 8-key n-tiles of S per step
     full = T.uint32(0xFFFFFFFF)
     mma = mma_m16n8k16()
 
@@ -138,23 +169,27 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                 vs[(w * CHUNK + c) * pitch + d0 + x] = vr[i, x]
 
     @T.macro
-    def compute_chunk(c, k0, ks, vs, qf, kl, kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
-                      blk_positions, s, n, end, gq, tq):  # fmt: skip
-        # S = Q·Kᵀ over this chunk's 16 keys: n-tile nt holds keys k0 + 8·nt + gq as B columns
-        for i in T.unroll(8):
+    def compute_tile(c, k0, ks, vs, qf, kl, kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
+                     blk_positions, s, n, end, gq, tq):  # fmt: skip
+        # S = Q·Kᵀ over the tile's 16·kt keys (the group's chunks c·kt ...): n-tile nt holds keys k0 + 8·nt + gq
+        for i in T.unroll(4 * nts * chains):
             sacc[i] = T.float32(0)
-        for nt in T.unroll(2):
+        for nt in T.unroll(nts):
             for st in T.unroll(steps):
                 for x in T.vectorized(8):
-                    kl[x] = ks[(c * CHUNK + nt * 8 + gq) * pitch + st * 32 + tq * 8 + x]
+                    kl[x] = ks[(c * kt * CHUNK + nt * 8 + gq) * pitch + st * 32 + tq * 8 + x]
                 for x in T.unroll(8):
                     kb[(nt * steps + st) * 8 + x] = kl[x]
-        for nt in T.unroll(2):
+        for nt in T.unroll(nts):
             for st in T.unroll(steps):
                 for j in T.unroll(2):
-                    mma(qf, (st * 2 + j) * 8, kb, (nt * steps + st) * 8 + 4 * j, sacc, nt * 4)
+                    # k step st·2 + j accumulates into chain (st·2 + j) % chains; the chains are summed below
+                    mma(qf, (st * 2 + j) * 8, kb, (nt * steps + st) * 8 + 4 * j, sacc,
+                        ((st * 2 + j) % chains) * 4 * nts + nt * 4)  # fmt: skip
+        for i in T.unroll(4 * nts * (chains - 1)):
+            sacc[i % (4 * nts)] = sacc[i % (4 * nts)] + sacc[4 * nts + i]
         # scores in base 2; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2
-        for nt in T.unroll(2):
+        for nt in T.unroll(nts):
             for e in T.unroll(4):
                 key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
                 if masked:
@@ -175,34 +210,40 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                 else:
                     sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e] * q_scale, T.float32(_NEG))
         for h in T.unroll(2):
-            stat[h] = T.max(T.max(sacc[h * 2], sacc[h * 2 + 1]), T.max(sacc[4 + h * 2], sacc[4 + h * 2 + 1]))
+            stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
+            for nt in T.unroll(1, nts):
+                stat[h] = T.max(stat[h], T.max(sacc[nt * 4 + h * 2], sacc[nt * 4 + h * 2 + 1]))
             stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
             stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
             stat[h] = T.max(m_run[h], stat[h])  # the new running max
             stat[2 + h] = T.exp2(m_run[h] - stat[h])  # rescale of what came before
             m_run[h] = stat[h]
-        for nt in T.unroll(2):
+        for nt in T.unroll(nts):
             for e in T.unroll(4):
                 sacc[nt * 4 + e] = T.if_then_else(
                     sacc[nt * 4 + e] > T.float32(_NEG * 0.5), T.exp2(sacc[nt * 4 + e] - stat[e // 2]), T.float32(0)
                 )
                 pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
         for h in T.unroll(2):
-            l_run[h] = l_run[h] * stat[2 + h] + sacc[h * 2] + sacc[h * 2 + 1] + sacc[4 + h * 2] + sacc[4 + h * 2 + 1]
+            l_run[h] = l_run[h] * stat[2 + h]
+            for nt in T.unroll(nts):
+                l_run[h] = l_run[h] + (sacc[nt * 4 + h * 2] + sacc[nt * 4 + h * 2 + 1])
         for j in T.unroll(vcols):
             for e in T.unroll(4):
                 oacc[j * 4 + e] = oacc[j * 4 + e] * stat[2 + e // 2]
-        # O += P·V: B fragment of d-tile j = element j of the thread's V vectors of keys 2tq, 2tq+1, 8+2tq, 9+2tq
-        for kk in T.unroll(4):
-            for cv in T.unroll(vcols // vvec):
-                for x in T.vectorized(vvec):
-                    vl[kk, cv * vvec + x] = vs[(c * CHUNK + kk // 2 * 8 + tq * 2 + kk % 2) * pitch
-                                               + gq * vcols + cv * vvec + x]  # fmt: skip
-        for j in T.unroll(vcols):
+        # O += P·V per chunk ks of the tile: its P fragment is n-tiles 2ks, 2ks + 1 of S (keys in natural
+        # order); B fragment of d-tile j = element j of the thread's V vectors of keys 2tq, 2tq+1, 8+2tq, 9+2tq
+        for ks_ in T.unroll(kt):
             for kk in T.unroll(4):
-                vb[j * 4 + kk] = vl[kk, j]
-        for j in T.unroll(vcols):
-            mma(pa, 0, vb, j * 4, oacc, j * 4)
+                for cv in T.unroll(vcols // vvec):
+                    for x in T.vectorized(vvec):
+                        vl[kk, cv * vvec + x] = vs[((c * kt + ks_) * CHUNK + kk // 2 * 8 + tq * 2 + kk % 2) * pitch
+                                                   + gq * vcols + cv * vvec + x]  # fmt: skip
+            for j in T.unroll(vcols):
+                for kk in T.unroll(4):
+                    vb[j * 4 + kk] = vl[kk, j]
+            for j in T.unroll(vcols):
+                mma(pa, ks_ * 8, vb, j * 4, oacc, j * 4)
 
     @T.macro
     def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
@@ -222,11 +263,11 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                 kr = T.sblock_alloc_buffer((fetch, 8), DTYPE, scope="local")
                                 vr = T.sblock_alloc_buffer((fetch, 8), DTYPE, scope="local")
                                 kl = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
-                                kb = T.sblock_alloc_buffer((2 * steps * 8,), DTYPE, scope="local")
+                                kb = T.sblock_alloc_buffer((nts * steps * 8,), DTYPE, scope="local")
                                 vl = T.sblock_alloc_buffer((4, vcols), DTYPE, scope="local")
                                 vb = T.sblock_alloc_buffer((vcols * 4,), DTYPE, scope="local")
-                                sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
-                                pa = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
+                                sacc = T.sblock_alloc_buffer((4 * nts * chains,), "float32", scope="local")
+                                pa = T.sblock_alloc_buffer((4 * nts,), DTYPE, scope="local")
                                 oacc = T.sblock_alloc_buffer((vcols * 4,), "float32", scope="local")
                                 m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                                 l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
@@ -236,7 +277,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                 gq = T.meta_var(lane // 4)
                                 tq = T.meta_var(lane % 4)
                                 n: T.let[T.int32] = cache_lens[s]
-                                split_span(span, s, n, blk_positions)
+                                split_span(span, s, n, blk_positions, nb)
                                 span[0] = span[0] + p * span[1]
                                 span[2] = T.min(span[0] + span[1], n + blk)
                                 span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], CHUNK), 0)
@@ -270,10 +311,10 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                     if (grp + 1) * warps < chunks:
                                         fetch_chunk(kr, vr, kv, k, v, block_table, s, g, n,
                                                     start + ((grp + 1) * warps + w) * CHUNK, end, lane)  # fmt: skip
-                                    for c in T.unroll(warps):
-                                        compute_chunk(c, start + (grp * warps + c) * CHUNK, ks, vs, qf, kl, kb, vl,
-                                                      vb, sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions,
-                                                      s, n, end, gq, tq)  # fmt: skip
+                                    for c in T.unroll(warps // kt):
+                                        compute_tile(c, start + (grp * warps + c * kt) * CHUNK, ks, vs, qf, kl, kb,
+                                                     vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions,
+                                                     s, n, end, gq, tq)  # fmt: skip
                                     T.tvm_storage_sync("shared")
 
                                 # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
@@ -300,20 +341,35 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                             part_ml[s, g, p, w * 16 + h * 8 + gq, 0] = m_run[h]
                                             part_ml[s, g, p, w * 16 + h * 8 + gq, 1] = l_run[h]
 
-    return attention_prim_func(spec, splits, CHUNK, True, split).with_attr("tirx.is_scheduled", True)
+    return attention_prim_func(spec, splits, CHUNK, True, split, plan.slots).with_attr("tirx.is_scheduled", True)
 
 
 class AttentionMmaRule(FamilyRule):
     """`block_attention` on tensor cores where `mma_attention_fits` (else the SIMT AttentionRule takes it).
 
-    Knob: `splits`, thread blocks one (sequence, kv head) is split across (spans adapt to each length).
+    Knobs: `splits`, thread blocks one (sequence, kv head) is split across at most (spans adapt to each
+    length); `slots`, the grid a batch's splits aim at (0: off), so a larger batch takes fewer splits;
+    `tile_chunks`, chunks per softmax step (by default the most, up to 2, that divide the warps);
+    `qk_chains`, accumulator chains of Q·Kᵀ.
+
+    Defaults from the H200 (bench/attention.py shapes, Qwen3-8B drafter, 4096 cached keys; µs of split +
+    merge with the launch): 4 blocks per SM of slots (two waves of the two blocks an SM holds at the
+    kernel's ~255 registers) take 8 splits at 8 sequences and 4 at 16: 52.9 µs at nb = 8 and 117.3 at
+    nb = 16, against 70.4 and 153.8 with 16 splits for every batch; a quarter of that grid (4 splits at
+    nb = 8) took 68.1. Two chunks per step with two Q·Kᵀ chains: 52.9 / 117.3 against 56.3 / 125.2 for one
+    and one. One sequence keeps its 16 splits (29.5 µs either way; 8 splits: 35.2).
     """
 
     name = "block_attention_mma"
-    knob_names = ("splits",)
+    knob_names = ("splits", "qk_chains", "tile_chunks", "slots")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
-        return {"splits": default_splits(target)}
+        return {
+            "splits": default_splits(target),
+            "qk_chains": 2,
+            "tile_chunks": 2,
+            "slots": 4 * target.sm_count,
+        }
 
     def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
         return AttentionRule().spec_of(subject)
@@ -325,7 +381,20 @@ class AttentionMmaRule(FamilyRule):
         spec = self.spec_of(subject)
         if spec is None or not mma_attention_fits(spec, target):
             return None
+        if "tile_chunks" not in (knobs or {}):
+            # the default step takes as many chunks as divide the group (a group of one warp has one)
+            default = self.default_knobs(target)["tile_chunks"]
+            warps = _warps(spec)
+            knobs = {**(knobs or {}), "tile_chunks": max(d for d in range(1, default + 1) if warps % d == 0)}
         return super().apply(spec, target, knobs)
 
     def schedule(self, spec: BlockAttentionSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        return attention_mma_func(spec, fit_mma_attention(spec, target, knobs["splits"]))
+        plan = fit_mma_attention(
+            spec,
+            target,
+            knobs["splits"],
+            knobs["qk_chains"],
+            knobs["tile_chunks"],
+            knobs["slots"],
+        )
+        return attention_mma_func(spec, plan)

@@ -60,11 +60,23 @@ def test_fit_rules():
     plan = fit_mma_attention(DSPARK, SM90, 16)
     assert plan == MmaAttentionPlan(warps=2, splits=16)
     assert plan.shared_bytes(DSPARK) == 2 * 2 * 16 * (128 + 8) * 2
-    with pytest.raises(ScheduleError, match="splits=0"):
-        AttentionMmaRule().apply(QWEN3_8B, SM90, {"splits": 0})
-    with pytest.raises(ScheduleError, match="unknown knob"):
-        AttentionMmaRule().apply(QWEN3_8B, SM90, {"chunk": 32})
-    assert AttentionMmaRule().default_knobs(SM121) == {"splits": 4}  # 48 SMs: 8 kv heads x 4 blocks
+    assert fit_mma_attention(DSPARK, SM90, 8, 4, 2, 96) == MmaAttentionPlan(2, 8, 4, 2, 96)
+    for knobs, match in (
+        ({"splits": 0}, "splits=0"),
+        ({"qk_chains": 3}, "qk_chains=3"),  # 8 k steps of head_dim 128: 1, 2 or 4 chains
+        ({"tile_chunks": 3}, "tile_chunks=3"),  # 4 warps stage 4 chunks a group
+        ({"slots": -1}, "slots=-1"),
+        ({"chunk": 32}, "unknown knob"),
+    ):
+        with pytest.raises(ScheduleError, match=match):
+            AttentionMmaRule().apply(QWEN3_8B, SM90, knobs)
+    with pytest.raises(ScheduleError, match="tile_chunks=4"):
+        AttentionMmaRule().apply(DSPARK, SM90, {"tile_chunks": 4})  # 28 rows: 2 warps, 2 chunks a group
+    # the default step takes 2 chunks where the warps (chunks per group) allow: 4, 2, then 1 warp
+    assert [AttentionMmaRule().apply(s, SM90).knobs["tile_chunks"] for s in (QWEN3_8B, DSPARK, SMALL)] == [2, 2, 1]
+    knobs = AttentionMmaRule().default_knobs(SM121)
+    assert knobs["splits"] == 4  # 48 SMs: 8 kv heads x 4 blocks
+    assert knobs["slots"] == 4 * SM121.sm_count and knobs["qk_chains"] == 2
 
 
 @pytest.fixture(scope="module")
