@@ -305,6 +305,10 @@ def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: i
 
     blk, window, hkv = spec.block, spec.window, spec.kv_heads
 
+    def parts(nb: Any) -> Any:
+        # spans per (sequence, kv head) for a batch of nb sequences
+        return splits if slots <= 0 else T.max(1, T.min(splits, slots // (nb * hkv)))
+
     @T.macro
     def split_span(span: Any, s: Any, n: Any, blk_positions: Any, nb: Any) -> None:
         span[0] = 0
@@ -313,12 +317,7 @@ def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: i
             for i in T.serial(1, blk):
                 span[0] = T.min(span[0], blk_positions[s * blk + i])
             span[0] = T.max(0, T.min(n, span[0] - window + 1))
-        if slots > 0:
-            span[1] = (
-                T.ceildiv(T.ceildiv(n + blk - span[0], T.max(1, T.min(splits, slots // (nb * hkv)))), chunk) * chunk
-            )
-        else:
-            span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], splits), chunk) * chunk
+        span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], parts(nb)), chunk) * chunk
 
     return split_span
 
