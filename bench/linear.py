@@ -20,8 +20,10 @@ them as the drafter does (dependent_launch.py): each call's weight stream starts
 drains. `--sweep` adds knob variants of the big shapes to pick per-target defaults from, named
 `<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>` (plus `x<x_stages>n<n_warps>` in GEMM mode); `--small`
 and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one or two draft blocks. `--gemm`
-builds instead the GEMM mode of the tensor-core kernel (x through shared memory) against its default GEMV
-mode at 16-256 rows (1-16 sequences of 16 block rows), plus GEMM-mode correctness cases:
+builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tiled.py), default and variants
+named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>`, against GEMV mode
+alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness
+cases of odd shapes:
 
     python bench/linear.py build --gemm -o build/linear_gemm
     PYTHONPATH=. python bench/linear.py run build/linear_gemm --json build/linear_gemm/results.json
@@ -101,24 +103,28 @@ ODD: tuple[tuple[str, str, int, int, str], ...] = (
     ("gemv", "matmul", 4096, 4096, BF16),
 )
 ODD_ROWS = (1, 7, 16, 33)
-# --gemm (instead of the above): the tensor-core kernel's GEMM mode (x through shared memory) against its
-# default GEMV mode at 1-16 sequences of 16 block rows, as (warps, row_tiles, unroll, m_tile, stages, x_stages,
-# n_warps): warps that split k (each reads its own x), then warps that split n and share x
+# --gemm (instead of the above): the tiled GEMM kernel (linear_tiled.py) that takes calls above gemm_rows rows,
+# default and variants of (n_warps, m_warps, n_tiles, m_tiles, stages, k_splits, k_steps), against GEMV mode alone and
+# GEMM mode through linear_mma's x ring (x_stages), at 1-16 sequences of 16 block rows
 GEMM_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 GEMM_ROWS = (16, 64, 128, 256)
-GEMM_KNOBS = (
-    (4, 1, 4, 128, 2, 2, 1), (4, 2, 2, 64, 2, 2, 1), (4, 1, 1, 256, 1, 2, 1),
-    (1, 1, 4, 128, 2, 3, 4), (1, 1, 4, 128, 2, 3, 8), (1, 1, 4, 128, 2, 2, 8), (2, 1, 4, 128, 2, 3, 4),
-    (2, 1, 4, 128, 2, 3, 2), (4, 1, 4, 128, 2, 3, 2),
-)  # fmt: skip
-# GEMM-mode correctness (not timed): ragged n, a warp with a single k step, m over several passes, rows of
-# x past m in the last row group, one and three ring slots, two row tiles, one weight stage, and warps that
-# split n (2 and 4 of them, sharing x) with one or two k warps
-GEMM_ODD = (("matmul", 8, 64, BF16), ("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16),
-            ("matmul_fp8", 72, 128, FP8), ("lm_head", 512, 256, FP8))  # fmt: skip
-GEMM_ODD_KNOBS = ((4, 1, 4, 32, 2, 2, 1), (4, 2, 2, 64, 1, 3, 1), (2, 1, 2, 16, 2, 1, 1), (1, 1, 4, 32, 2, 2, 2),
-                  (2, 1, 2, 64, 1, 3, 4), (1, 2, 2, 16, 2, 2, 2))  # fmt: skip
-GEMM_ODD_ROWS = (1, 7, 16, 33, 70, 130)
+TILED_VARIANTS = (
+    (2, 2, 4, 8, 4, 1, 1),
+    (2, 2, 2, 8, 4, 1, 1),
+    (2, 2, 4, 8, 4, 8, 1),
+    (2, 2, 2, 8, 4, 4, 1),
+    (2, 2, 2, 8, 3, 1, 2),
+    (2, 2, 4, 8, 3, 1, 2),
+    (2, 2, 4, 8, 3, 8, 2),
+    (2, 2, 2, 8, 4, 1, 2),
+)
+RING_KNOBS = ((1, 1, 4, 128, 2, 3, 4), (4, 1, 4, 128, 2, 3, 2))  # linear_mma's GEMM mode, as KNOB_NAMES
+# tiled-GEMM correctness (not timed): ragged n, rows of x past m in the last tile, k splits, FP8's swizzled x,
+# one and two warps per block, a two-slot pipeline, slots of two and three k steps (swizzled rows)
+GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8", 72, 128, FP8),
+            ("lm_head", 520, 256, FP8))  # fmt: skip
+GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
+GEMM_ODD_ROWS = (33, 70, 130, 300)
 KNOB_NAMES = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
 FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
 
@@ -137,7 +143,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.codegen import lower_to_cuda
     from dflash_compiler.nvrtc import compile_cubin
     from dflash_compiler.schedules.base import ScheduleError
-    from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule
+    from dflash_compiler.schedules.linear import TILED_KNOBS, LinearGemvRule, LinearMmaRule
     from dflash_compiler.targets import get_target
 
     target = get_target(args.target)
@@ -170,14 +176,28 @@ def build(args: argparse.Namespace) -> None:
         op_w = "matmul_fp8" if (op == "matmul" and wdtype == FP8) else op
         return f"{label}{'_fp8' if wdtype == FP8 else ''}", LinearSpec(op=op_w, n=n, k=k, weight_dtype=wdtype)
 
+    def add_tiled(label: str, spec: LinearSpec, variants: Iterable[tuple[int, ...]], rows: Iterable[int],
+                  timed: bool = True) -> None:  # fmt: skip
+        for values in variants:
+            tag = "t{}x{}t{}x{}s{}k{}x{}".format(*values)
+            variant = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__{tag}")
+            knobs = {"gemm_rows": 32, **{f"gemm_{key}": v for key, v in zip(TILED_KNOBS, values, strict=True)}}
+            try:
+                add(f"{label} {tag}", variant, mma, rows, knobs, timed)
+            except ScheduleError as exc:
+                print(f"skip {variant.name}: {exc}")
+
     if args.gemm:
         for label in GEMM_SHAPES:
             for wdtype in (BF16, FP8):
                 name, spec = linear(label, wdtype)
                 add(name, spec, mma, GEMM_ROWS)
-                add_variants(name, spec, GEMM_KNOBS, GEMM_ROWS)
+                gemv = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__gemv")
+                add(f"{name} gemv", gemv, mma, GEMM_ROWS[1:], {"gemm_rows": 0})
+                add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
+                add_tiled(name, spec, TILED_VARIANTS, GEMM_ROWS[1:])
         for op, n, k, wdtype in GEMM_ODD:
-            add_variants(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_KNOBS, GEMM_ODD_ROWS, False)
+            add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
         shapes, odd = (), ()
     else:
         shapes, odd = SHAPES, ODD
@@ -326,12 +346,25 @@ class Bench:
 
     def check(self, e: dict[str, Any], m: int, ptr: dict[str, int], weights: list[int], ref: np.ndarray,
               out_type: Any) -> None:  # fmt: skip
+        from dflash_compiler.plans import dtype_bytes
+        from dflash_compiler.runtime.expr import evaluate
         from dflash_compiler.schedules.check import max_relative_error, mismatches
 
         spec = LinearSpec(**e["spec"])
         env = {"m": m}
-        (launch,) = self.functions[spec.name].launches(env)  # GEMV or GEMM mode, by m
-        self.module.launch(launch, {**ptr, "w": weights[0]}, env)
+        function = self.functions[spec.name]
+        launches = function.launches(env)  # GEMV or GEMM mode by m; a k-split GEMM adds its merge kernel
+        pointers = dict(ptr)
+        for ws in function.workspaces:  # allocated per case; kept (with the weights) until close()
+            count = int(np.prod([evaluate(d, env) for d in ws.shape]))
+            pointers[ws.name] = self.device.alloc(count * dtype_bytes(ws.dtype))
+            self.buffers.append(pointers[ws.name])
+
+        def call(w_ptr: int, stream: Any = 0) -> None:
+            for launch in launches:
+                self.module.launch(launch, {**pointers, "w": w_ptr}, env, stream)
+
+        call(weights[0])
         self.device.synchronize()
         got = {"y": self.device.download(ptr["y"], (m, spec.n), out_type)}
         case = Case(e, spec, m, max_relative_error(spec, got, {"y": ref}), mismatches(spec, got, {"y": ref}))
@@ -343,7 +376,7 @@ class Bench:
             def record(stream: Any) -> None:
                 for _ in range(per):
                     for w_ptr in weights:
-                        self.module.launch(launch, {**ptr, "w": w_ptr}, env, stream)
+                        call(w_ptr, stream)
 
             case.record, case.launches = record, per * len(weights)
         self.cases.append(case)
@@ -428,7 +461,7 @@ def main() -> int:
     b.add_argument("--sweep", action="store_true", help="add knob variants of the big shapes")
     b.add_argument("--small", action="store_true", help="add warps/unroll variants of the block-row layers")
     b.add_argument("--fp8", action="store_true", help="add knob variants of the FP8-weight linears at 16-32 rows")
-    b.add_argument("--gemm", action="store_true", help="only GEMM mode (x_stages) vs GEMV mode at 16-256 rows")
+    b.add_argument("--gemm", action="store_true", help="only the tiled GEMM's variants vs GEMV mode at 16-256 rows")
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
     r.add_argument("bundle")

@@ -7,8 +7,10 @@ bf16 or float8_e4m3fn (then a float32 per-output-row `scale[n]` follows it), the
 Two rules:
 
 * `LinearMmaRule` — the hot path: a tensor-core GEMV (`linear_mma.py`) that streams the weight once with
-  16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension. It takes every
-  n and any k that is a multiple of one k step (32 for bf16 weights, 64 for FP8), on targets with bf16 mma.
+  16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension, and above
+  `gemm_rows` rows a tensor-core GEMM with both operands tiled through shared memory (`linear_tiled.py`).
+  It takes every n and any k that is a multiple of one k step (32 for bf16 weights, 64 for FP8), on targets
+  with bf16 mma.
 * `LinearGemvRule` — the generic fallback (SIMT): one block per (column, group of rows), threads split k
   with vector loads and meet in a cross-thread reduction (TVM_NOTES §3b). Any n, k and m.
 """
@@ -27,6 +29,7 @@ from dflash_compiler.targets import Target
 
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
+from .linear_tiled import TiledPlan
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
 BF16, FP8, F32 = "bfloat16", "float8_e4m3fn", "float32"
@@ -34,6 +37,8 @@ ITEM_BYTES = {BF16: 2, FP8: 1, F32: 4}
 _OPS = {Op.MATMUL.value: (BF16,), Op.MATMUL_FP8.value: (FP8,), Op.LM_HEAD.value: (BF16, FP8)}
 _DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32}
 _OP_ATTR = "dflash.op"
+# the tiled GEMM's knobs, as gemm_<name> of LinearMmaRule
+TILED_KNOBS = ("n_warps", "m_warps", "n_tiles", "m_tiles", "stages", "k_splits", "k_steps")
 
 
 @dataclass(frozen=True)
@@ -221,14 +226,17 @@ class LinearMmaRule(FamilyRule):
     `x_stages` (0: x fragments straight from global memory into registers, the GEMV mode; n >= 1: x
     through a ring of n shared-memory slots, the GEMM mode, which keeps the registers for accumulators so
     that m_tile can cover 64-256 rows and the weight is streamed once per pass) and `gemm_rows` (with
-    x_stages 0: calls with more rows than this go to a second, GEMM-mode kernel of `gemm_launch_plan`,
-    picked by the host code per call; 0: the one kernel for every m). `warps` and `unroll` are upper
+    x_stages 0: calls with more rows than this go to the tiled GEMM of `linear_tiled.py`, picked by the
+    host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are `gemm_n_warps`,
+    `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits` and `gemm_k_steps`
+    (TiledPlan); 0 takes `tiled_defaults`. `warps`, `unroll`, `gemm_k_splits` and `gemm_k_steps` are upper
     bounds: the largest values that divide the k steps evenly are used, and the Kernel reports the values
     used.
     """
 
     name = "linear_mma"
-    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows")
+    knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
+                  *(f"gemm_{name}" for name in TILED_KNOBS))  # fmt: skip
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
@@ -243,10 +251,12 @@ class LinearMmaRule(FamilyRule):
             "stages": 2,
             "x_stages": 0,
             "n_warps": 1,
-            # above 32 rows (3+ draft blocks) a second, GEMM-mode kernel takes the call (gemm_launch_plan):
-            # on the H200 GEMV mode wins at 16 rows by 2-3x, GEMM mode at 64 rows and more by 1.2-1.9x,
-            # and they tie at about 32 (bench/linear.py --gemm)
+            # above 32 rows (3+ draft blocks) the tiled GEMM takes the call: on the H200 GEMV mode wins at
+            # 16 rows by 2-3x, the GEMM at 64 rows by 1.25-1.9x (qkv 40.2 vs 50.2 µs, down 56.2 vs 101.6,
+            # lm_head 602 vs 1152; bench/linear.py --gemm)
             "gemm_rows": 32,
+            # the tiled GEMM's shape (linear_tiled.py); 0: by the weight's shape (tiled_defaults)
+            **{f"gemm_{name}": 0 for name in TILED_KNOBS},
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -258,8 +268,18 @@ class LinearMmaRule(FamilyRule):
             return None
         chosen = self.knobs_for(spec, target, knobs)
         plan, func = self._func(spec, target, chosen)
+        gemm = self._gemm_plan(spec, target, chosen)
+        used = {f"gemm_{key}": value for key, value in gemm.knobs().items()} if gemm else {}
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
-                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"]}, spec=spec)  # fmt: skip
+                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used}, spec=spec)  # fmt: skip
+
+    def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | None:
+        """The GEMM kernel's plan where calls above gemm_rows rows go to one: the knobs given, the rest by
+        the weight's shape."""
+        if not knobs["gemm_rows"]:
+            return None
+        given = {name: knobs[f"gemm_{name}"] for name in TILED_KNOBS if knobs[f"gemm_{name}"] != 0}
+        return fit_tiled_plan(spec, target, {**tiled_defaults(spec, target), **given})
 
     def _func(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> tuple[MmaPlan, Any]:
         plan = fit_mma_plan(spec, target, knobs)
@@ -272,8 +292,8 @@ class LinearMmaRule(FamilyRule):
                 "above that many rows to a GEMV-mode one, and x_stages > 0 makes the kernel GEMM mode already. "
                 "Fix: gemm_rows 0, or x_stages 0"
             )
-        gemm = (rows, gemm_launch_plan(spec, target)) if rows else None
-        return plan, mma_gemv_func(spec, plan, gemm)
+        gemm = self._gemm_plan(spec, target, knobs)
+        return plan, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
         """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
@@ -312,26 +332,72 @@ class LinearMmaRule(FamilyRule):
         return self._func(spec, target, knobs)[1]
 
 
-def gemm_launch_plan(spec: LinearSpec, target: Target) -> MmaPlan:
-    """The GEMM-mode kernel a GEMV-mode linear hands its calls above `gemm_rows` rows to.
+def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
+    """The GEMM kernel's shape by weight, from the H200 sweeps (bench/linear.py --gemm; µs at 128 / 256 rows,
+    against linear_mma's x-ring GEMM mode). Every block has 4 warps, 2 along n by 2 along m, and 128 rows of x.
 
-    Warps that split n share one x tile, so x crosses from L2 once per 32-64 weight rows instead of once
-    per 16, through a three-slot ring. The split follows the H200 measurements at 64-128 rows (bench/
-    linear.py --gemm, µs at 128 rows against 8 GEMV passes): 4 n warps for wide weights (n >= 6144), 2
-    below; the k warps as the number of blocks allows: 1 for lm_head-wide weights (2374 blocks; 776 vs
-    2121), 2 with 4 n warps (gate_up 147 vs 325, qkv 50 vs 84), 4 with 2 (down 92 vs 194, o_proj 37 vs
-    54). m_tile is 128 where the ring and the partial sums fit the block's shared memory, else 64.
+    * bf16 weights take 64-row blocks (warp tiles of 2 x 8 mma tiles): x crosses from L2 once per 64
+      weight rows, so blocks stay small enough for three to share an SM. Wide weights (64-row blocks at
+      least two per SM) take two k steps per slot and three slots (gate_up 96 / 186 against 147 / 323,
+      lm_head 650 / 1221 against 797 / 1592); narrow ones one k step, four slots and k splits toward three
+      blocks per SM, at most 8 (qkv 34 / 63 against 58 / 115, o_proj 26 / 42 against 37 / 70, down 65 /
+      103 against 93 / 181).
+    * FP8 weights take 128-row blocks (4 x 8 tiles), whose x share per weight byte is half (an FP8 k step
+      reads twice the weight's bytes of x), four slots and k splits toward two blocks per SM (lm_head 595 /
+      1161 against 875 / 1733 with 64-row blocks; qkv 41 / 68, down 57 / 111).
     """
-    n_warps = 4 if spec.n >= 6144 else 2
-    warps = 1 if spec.n >= MMA_ROWS * n_warps * 1024 else 2 if n_warps == 4 else 4
-    knobs = {"warps": warps, "row_tiles": 1, "unroll": 4, "stages": 2, "x_stages": 3, "n_warps": n_warps}
-    problems = []
-    for m_tile in (128, 64):
-        try:
-            return fit_mma_plan(spec, target, {**knobs, "m_tile": m_tile})
-        except ScheduleError as exc:
-            problems.append(str(exc))
-    raise ScheduleError(f"{LinearMmaRule.name}: no GEMM-mode kernel fits {spec.name} on {target.name}: {problems}")
+    vector = 16 // ITEM_BYTES[spec.weight_dtype]
+    wide = spec.n >= 2 * target.sm_count * 64
+    if spec.fp8:
+        shape = {"n_tiles": 4, "k_steps": 1, "stages": 4, "per_sm": 2}
+    elif wide:
+        shape = {"n_tiles": 2, "k_steps": 2, "stages": 3, "per_sm": 0}
+    else:
+        shape = {"n_tiles": 2, "k_steps": 1, "stages": 4, "per_sm": 3}
+    plan = TiledPlan(n_warps=2, m_warps=2, n_tiles=shape["n_tiles"], m_tiles=8, stages=1, k_splits=1,
+                     k_steps=shape["k_steps"], vector=vector)  # fmt: skip
+    stages = max(2, min(shape["stages"], target.shared_memory_per_sm // 2 // plan.stage_bytes()))
+    blocks = -(-spec.n // plan.block_n)
+    splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] else 1
+    return {**plan.knobs(), "stages": stages, "k_splits": max(1, splits)}
+
+
+def fit_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:
+    """The tiled GEMM's knobs fitted to `spec` (k_splits: the largest divisor of the k steps up to the knob;
+    k_steps: the largest power of two up to the knob that divides a split's steps) and checked against the
+    target's limits."""
+    rule = LinearMmaRule.name
+    values = {name: knobs[name] for name in TILED_KNOBS}
+    if any(v < 1 for v in values.values()) or values["stages"] < 2:
+        raise ScheduleError(
+            f"{rule} GEMM knobs {values}: expected positive values and stages >= 2 (one slot copied while one "
+            "is multiplied)"
+        )
+    warps = values["n_warps"] * values["m_warps"]
+    if WARP * warps > target.max_threads_per_block:
+        raise ScheduleError(
+            f"{rule} GEMM knobs n_warps={values['n_warps']} x m_warps={values['m_warps']}: at most "
+            f"{target.max_threads_per_block // WARP} warps per block on {target.name}"
+        )
+    steps = spec.k // mma_step(spec)
+    splits = _largest_divisor(steps, values["k_splits"])
+    # k steps per slot: a power of two, so that the swizzle's xor stays inside a row of 8 * 2^j chunks
+    per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_steps"] and (steps // splits) % p == 0)
+    plan = TiledPlan(**{**values, "k_splits": splits, "k_steps": per_slot},
+                     vector=16 // ITEM_BYTES[spec.weight_dtype])  # fmt: skip
+    if plan.shared_bytes() > target.max_shared_memory_per_block:
+        raise ScheduleError(
+            f"{rule}: GEMM stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "
+            f"{plan.block_m} rows of x need {plan.shared_bytes()} bytes of shared memory; {target.name} allows "
+            f"{target.max_shared_memory_per_block}. Fix: lower gemm_stages, gemm_k_steps, gemm_n_tiles or gemm_m_tiles"
+        )
+    if plan.registers() > target.max_registers_per_thread:
+        raise ScheduleError(
+            f"{rule}: GEMM warp tiles of {plan.n_tiles} x {plan.m_tiles} need about {plan.registers()} registers "
+            f"per thread; {target.name} allows {target.max_registers_per_thread}. Fix: lower gemm_n_tiles or "
+            "gemm_m_tiles"
+        )
+    return plan
 
 
 def mma_fits(spec: LinearSpec, target: Target) -> bool:

@@ -30,11 +30,13 @@ Where `x` goes is the `x_stages` knob:
 
 * 0, GEMV mode: the x fragments of a batch are loaded with its weight, straight into registers. Those
   registers (stages · unroll · m_tile / 8 · V / 2) cap m_tile at 16-32, so m = 128 re-streams the weight
-  eight times.
-* n >= 1, GEMM mode (m_tile 64-256, the weight streamed once for up to m_tile rows): the registers hold
-  the accumulators (row_tiles · m_tile / 8 · 4 floats) and x goes through shared memory. Each thread copies
-  the 16-byte x vectors it will use as B fragments with `cp.async` (global → shared: a copy in flight costs
-  no register) into its own slots of a ring [n, m_tile / 8 row groups, warps, 32 threads, 16 B], n - 1 x
+  eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` instead,
+  which the host code picks per call.
+* n >= 1, GEMM mode (a knob setting; the tiled GEMM is 1.2-1.7x faster at 64-256 rows on the H200;
+  m_tile 64-256, the weight streamed once for up to m_tile rows): the registers hold the accumulators
+  (row_tiles · m_tile / 8 · 4 floats) and x goes through shared memory. Each thread copies the 16-byte x
+  vectors it will use as B fragments with `cp.async` (global → shared: a copy in flight costs no register)
+  into its own slots of a ring [n, m_tile / 8 row groups, warps, 32 threads, 16 B], n - 1 x
   vectors ahead of the one it multiplies, and reads each back with one 16-byte load per row group (a warp
   reads 512 contiguous bytes: no bank conflict). A thread reads only what it copied itself, so
   `cp.async.wait_group` orders it and the k loop needs no barrier. Shared memory brings no reuse here
@@ -66,9 +68,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
-from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
 
-from .mma import mma_m16n8k16
+from .linear_tiled import TiledPlan, tiled_body_macro
+from .mma import a_fragments_macro, mma_m16n8k16
 
 if TYPE_CHECKING:
     from .linear import LinearSpec
@@ -136,12 +138,12 @@ def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
     return x_stages * (m_tile // MMA_COLS) * warps * WARP * 16
 
 
-def mma_gemv_func(spec: LinearSpec, plan: MmaPlan, gemm: tuple[int, MmaPlan] | None = None) -> Any:
+def mma_gemv_func(spec: LinearSpec, plan: MmaPlan, gemm: tuple[int, TiledPlan] | None = None) -> Any:
     """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`.
 
-    With `gemm = (rows, gemm_plan)` the PrimFunc holds two kernels and its host code picks one per call:
-    `plan`'s for m <= rows, `gemm_plan`'s (a GEMM mode) above; the kernel table records each launch's
-    condition (codegen.KernelLaunch.when).
+    With `gemm = (rows, tiled_plan)` the PrimFunc also holds the tiled GEMM of `linear_tiled.py` and its
+    host code picks per call: `plan`'s kernel for m <= rows, the GEMM above (with, for k splits, its
+    workspace and merge kernel); the kernel table records each launch's condition (codegen.KernelLaunch.when).
     """
     from tvm.script import tirx as T
 
@@ -149,15 +151,18 @@ def mma_gemv_func(spec: LinearSpec, plan: MmaPlan, gemm: tuple[int, MmaPlan] | N
     out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
     body = _body_macro(spec, plan)
     if gemm is not None:
-        rows, gemm_plan = gemm
-        small, large = body, _body_macro(spec, gemm_plan)
+        rows, tiled = gemm
+        small, large = body, tiled_body_macro(spec, tiled)
+        splits = tiled.k_splits
 
         @T.macro
         def body(x, w, scale, y, m):
             if m <= rows:
                 small(x, w, scale, y, m)
             else:
-                large(x, w, scale, y, m)
+                # the k splits' partial sums (a host workspace; one slot of nothing without splits)
+                part = T.sblock_alloc_buffer((splits, m, n) if splits > 1 else (1,), "float32")
+                large(x, w, scale, y, m, part)
 
     if spec.fp8:
 
@@ -216,6 +221,7 @@ def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
         smem, xs_shape, xl_shape, bf_size = "shared", (1,), (stages, unroll, m_groups, vec), m_groups * vec
     xs_scope = smem if x_stages else "local"
     mma = mma_m16n8k16()
+    a_fragments = a_fragments_macro(fp8, row_tiles, mmas_per_step)
 
     @T.macro
     def load_batch(x, w, m, wl, xl, bx, ty, tx, mc, slot, batch):
@@ -262,27 +268,6 @@ def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
                         mc * m_tile + (mi * n_warps + ty // warps) * 8 + tx // 4 >= m,
                     ))  # fmt: skip
         T.evaluate(T.ptx["cp.async.commit_group"]())  # one group per unit, empty or not: wait_group counts them
-
-    @T.macro
-    def a_fragments(wl, af, slot, u, j0, count):
-        # A fragment of mma j: pair c = 0..3 holds row g (c even) or g+8 (c odd) at physical 4j + {0,1}
-        # (c < 2) or 4j + {2,3}; FP8 converts each row's 4 bytes into its two pairs at once
-        for rt in T.unroll(row_tiles):
-            for j in T.unroll(j0, j0 + count):
-                if fp8:
-                    for h in T.unroll(2):
-                        T.evaluate(T.call_extern(
-                            "void", E4M3X4_TO_BF16,
-                            T.address_of(af[(rt * mmas_per_step + j) * 8 + h * 2]),
-                            T.address_of(af[(rt * mmas_per_step + j) * 8 + 4 + h * 2]),
-                            T.address_of(wl[slot, u, rt, h, 4 * j]),
-                        ))  # fmt: skip
-                else:
-                    for c in T.unroll(4):
-                        for e in T.unroll(2):
-                            af[(rt * mmas_per_step + j) * 8 + c * 2 + e] = wl[
-                                slot, u, rt, c % 2, 4 * j + c // 2 * 2 + e
-                            ]
 
     @T.macro
     def compute_batch(m, mc, wl, xl, af, bf, acc, slot):

@@ -11,6 +11,7 @@ import pytest
 
 from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
 from dflash_compiler.ir import Node, Op, TensorType
+from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
 from dflash_compiler.schedules.linear import (
     BF16,
@@ -21,7 +22,7 @@ from dflash_compiler.schedules.linear import (
     LinearSpec,
     _register_estimate,
     fit_mma_plan,
-    gemm_launch_plan,
+    fit_tiled_plan,
     random_weight,
     spec_of,
 )
@@ -169,11 +170,17 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 # -------------------------------------------------------------------------------- knobs and launch shapes
 
 
+def _gemv_knobs(kernel):
+    """The knobs of the GEMV-mode kernel and gemm_rows (without the tiled GEMM's gemm_*)."""
+    return {k: v for k, v in kernel.knobs.items() if not k.startswith("gemm_") or k == "gemm_rows"}
+
+
 def _lower(kernel, target=SM90):
     """The CUDA module and the kernel's first launch (GEMV mode where gemm_rows adds a GEMM-mode one)."""
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     launches = cuda.functions[kernel.name].kernels
-    assert len(launches) == (2 if kernel.knobs.get("gemm_rows") else 1)
+    # GEMV mode alone, or with the tiled GEMM above gemm_rows (and its merge kernel for k splits)
+    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (kernel.knobs["gemm_k_splits"] > 1))
     assert "2147483647" not in cuda.source  # no local buffer sized by the symbolic m
     return cuda, launches[0]
 
@@ -182,7 +189,7 @@ def _lower(kernel, target=SM90):
 def test_mma_kernel_lowers_with_a_sane_launch(target):
     kernel = LinearMmaRule().apply(LinearSpec("matmul", 6144, 4096), target)
     assert kernel is not None and kernel.rule == "linear_mma"
-    assert dict(kernel.knobs) == {
+    assert _gemv_knobs(kernel) == {
         "warps": 4,
         "row_tiles": 1,
         "unroll": 2 if target is SM90 else 4,  # narrow with k = 4096 on 132 SMs, wide on 48 (gemv_defaults)
@@ -198,7 +205,8 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
     assert launch.block == ("32", "4", "1")  # a warp per k range
     assert launch.dynamic_smem == "0"
     assert MMA_BF16 in cuda.source
-    assert {p.source for p in launch.params} == {"x", "w", "y", "m"}
+    assert {p.source for p in launch.params if p.kind == "ptr"} == {"x", "w", "y"}
+    assert {p.source for p in launch.params if p.kind == "scalar"} <= {"m", "((m - 1))"}
     # under a dependent launch only weights may be touched before the wait: x and y come from other kernels
     start, end = kernel_bodies(cuda.source)[launch.name]
     body = cuda.source[start:end]
@@ -209,7 +217,7 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
 def test_fp8_kernel_has_its_own_defaults_and_scales():
     kernel = LinearMmaRule().apply(LinearSpec("lm_head", 151936, 4096, FP8), SM121)
     assert kernel is not None
-    assert dict(kernel.knobs) == {
+    assert _gemv_knobs(kernel) == {
         "warps": 4,
         "row_tiles": 2,  # a wide FP8 weight: one x fragment per 32 weight rows
         "unroll": 2,
@@ -221,7 +229,7 @@ def test_fp8_kernel_has_its_own_defaults_and_scales():
     }
     cuda, launch = _lower(kernel, SM121)
     assert launch.grid == ("4748", "1", "1") and launch.block == ("32", "4", "1")
-    assert {p.source for p in launch.params} == {"x", "w", "scale", "y", "m"}
+    assert {p.source for p in launch.params if p.kind == "ptr"} == {"x", "w", "scale", "y"}
     assert MMA_BF16 in cuda.source and "__nv_fp8_e4m3" in cuda.source
 
 
@@ -425,46 +433,108 @@ def test_n_warps_share_one_x_tile(target):
 
 @pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
 @pytest.mark.parametrize(
-    ("spec", "split"),
+    ("spec", "shapes"),
     [
-        (LinearSpec("matmul", 6144, 4096), (2, 4)),
-        (LinearSpec("matmul", 4096, 12288), (4, 2)),
-        (LinearSpec("lm_head", 151936, 4096, FP8), (1, 4)),
-        (LinearSpec("matmul", 64, 64), (2, 2)),  # 2 k steps: the 4 k warps shrink to 2
+        # bf16, narrow: 64-row blocks, k splits toward three blocks per SM (ceil(396 / 96) -> 4 of 128 k
+        # steps); on GB10's 48 SMs qkv counts as wide: two k steps per slot, no split
+        (LinearSpec("matmul", 6144, 4096), {"sm_90": (64, 4, 1), "sm_120": (64, 4, 1), "sm_121": (64, 1, 2)}),
+        (LinearSpec("matmul", 4096, 12288), {"sm_90": (64, 6, 1), "sm_120": (64, 8, 1), "sm_121": (64, 3, 1)}),
+        # FP8: 128-row blocks, k splits toward two blocks per SM
+        (
+            LinearSpec("matmul_fp8", 6144, 4096, FP8),
+            {"sm_90": (128, 4, 1), "sm_120": (128, 8, 1), "sm_121": (128, 2, 1)},
+        ),
+        (
+            LinearSpec("lm_head", 151936, 4096, FP8),
+            {"sm_90": (128, 1, 1), "sm_120": (128, 1, 1), "sm_121": (128, 1, 1)},
+        ),
+        (LinearSpec("lm_head", 151936, 4096), {"sm_90": (64, 1, 2), "sm_120": (64, 1, 2), "sm_121": (64, 1, 2)}),
+        (LinearSpec("matmul", 200, 96), {"sm_90": (64, 3, 1), "sm_120": (64, 3, 1), "sm_121": (64, 3, 1)}),  # 3 k steps
     ],
-    ids=["qkv", "down", "lm_head-fp8", "tiny"],
+    ids=["qkv", "down", "qkv-fp8", "lm_head-fp8", "lm_head", "tiny"],
 )
-def test_gemv_kernel_hands_many_rows_to_a_gemm_mode_kernel(spec, split, target):
-    """By default a linear is two kernels: GEMV mode up to gemm_rows rows, GEMM mode (n warps sharing x)
-    above, picked by the host code per call and recorded as each launch's condition."""
+def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
+    """By default a linear is a GEMV-mode kernel up to gemm_rows rows and the tiled GEMM above (with its
+    merge kernel when k is split), picked by the host code per call and recorded as each launch's condition."""
     kernel = LinearMmaRule().apply(spec, target)
     assert kernel.knobs["gemm_rows"] == 32 and kernel.knobs["x_stages"] == 0
+    tiled = {key[5:]: value for key, value in kernel.knobs.items() if key.startswith("gemm_") and key != "gemm_rows"}
+    plan = fit_tiled_plan(spec, target, tiled)
+    assert (plan.block_n, plan.k_splits, plan.k_steps) == shapes[target.name]
+    assert (plan.block_m, plan.threads) == (128, 128)
+    # 2 to 4 pipeline slots, as many as let two blocks share the SM
+    assert 2 <= plan.stages <= 4 and 2 * plan.shared_bytes() <= target.shared_memory_per_sm
+
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     func = cuda.functions[kernel.name]
-    gemv, gemm = func.kernels
-    for m, launched in [(1, gemv), (16, gemv), (32, gemv), (33, gemm), (128, gemm), (512, gemm)]:
-        assert func.launches({"m": m}) == [launched], m
-    plan = gemm_launch_plan(spec, target)
-    assert (plan.warps, plan.n_warps, plan.x_stages) == (*split, 3)
-    if plan.m_tile == 64:  # only when 128 rows of ring and partial sums exceed the block's shared memory
-        with pytest.raises(ScheduleError, match="shared memory"):
-            fit_mma_plan(spec, target, {**plan.knobs(), "m_tile": 128})
+    gemv, gemm, *merge = func.kernels
+    assert len(merge) == (plan.k_splits > 1)
+    for m in (1, 16, 32):
+        assert func.launches({"m": m}) == [gemv], m
+    for m in (33, 128, 512):
+        assert func.launches({"m": m}) == [gemm, *merge], m
+    n_blocks = -(-spec.n // plan.block_n)
+    assert gemm.grid == ("((m + 127) // 128)", str(n_blocks), str(plan.k_splits))  # m tiles neighbour in order
+    assert gemm.block == ("32", "4", "1")
+    assert plan.shared_bytes() <= target.max_shared_memory_per_block
+    # a split of fewer slots' worth of k than slots: TVM drops the slots and copies that can never happen
+    full = spec.k // plan.step_k // plan.k_splits // plan.k_steps >= plan.stages
+    assert int(gemm.dynamic_smem) == plan.shared_bytes() or not full
+    if merge:
+        (ws,) = func.workspaces
+        assert ws.dtype == "float32" and [evaluate(d, {"m": 7}) for d in ws.shape] == [7 * plan.k_splits * spec.n]
     else:
-        assert plan.m_tile == 128
-    assert gemm.grid == (str(-(-spec.n // plan.block_rows)), "1", "1")
-    assert gemm.block == ("32", str(plan.warps * plan.n_warps), "1")
-    assert int(gemm.dynamic_smem) == plan.shared_bytes() <= target.max_shared_memory_per_block
-    rows = 16 * kernel.knobs["row_tiles"]  # the GEMV-mode kernel's rows per block
-    assert gemv.dynamic_smem == "0" and gemv.grid == (str(-(-spec.n // rows)), "1", "1")
-    start, end = kernel_bodies(cuda.source)[gemm.name]
-    assert (
-        "cp_async_ca_" in cuda.source[start:end]
-        and "cp_async_ca_" not in cuda.source[slice(*kernel_bodies(cuda.source)[gemv.name])]
-    )
+        assert not func.workspaces
+    body = cuda.source[slice(*kernel_bodies(cuda.source)[gemm.name])]
+    # both operands arrive by async copies only: one 16-byte copy per chunk of a k step, x's zero-filled
+    # past m; per k step one wait (stages - 2 steps stay in flight) and one barrier
+    assert "(x_ptr + " not in body and "(w_ptr + " not in body
+    per_slot = (plan.block_n + 128 * plan.x_vectors) * 4 * plan.k_steps // plan.threads
+    if full:
+        assert body.count("cp_async_cg_") == per_slot * plan.stages  # the prologue's stages - 1, the loop's one
+        x_copies = 128 * 4 * plan.x_vectors * plan.k_steps // plan.threads
+        assert body.count("cp_async_cg_ignore_src") == x_copies * plan.stages
+    assert body.count(f"cp_async_wait_group_async_wait_group_{plan.stages - 2}()") == 1
+    assert body.count("__syncthreads()") == 1
+    # a warp's n_tiles x 8 tiles: as many mmas per 16 logical k, over the slot's k steps
+    assert body.count(MMA_BF16) == plan.n_tiles * 8 * plan.vector // 4 * plan.k_steps
     # gemm_rows 0: the GEMV-mode kernel alone, for every m
     single = LinearMmaRule().apply(spec, target, {"gemm_rows": 0})
+    assert not any(key.startswith("gemm_") and key != "gemm_rows" for key in single.knobs)
     (only,) = lower_to_cuda(tvm.IRModule({single.name: single.func}), target).functions[single.name].kernels
     assert only.when == "1" and only.runs({"m": 512})
+
+
+@pytest.mark.parametrize(
+    ("knobs", "target", "message"),
+    [
+        ({"gemm_stages": 1}, SM90, "stages >= 2"),
+        ({"gemm_n_warps": -1}, SM90, "positive values"),
+        ({"gemm_n_warps": 8, "gemm_m_warps": 8}, SM90, "at most 32 warps"),
+        ({"gemm_stages": 9}, SM120, "shared memory"),  # 9 x 12 KiB of 99
+        ({"gemm_n_tiles": 8, "gemm_m_tiles": 8}, SM90, "registers"),
+    ],
+)
+def test_bad_tiled_knobs_are_refused(knobs, target, message):
+    with pytest.raises(ScheduleError, match=message):
+        LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), target, knobs)
+    assert LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), SM90, {"gemm_stages": 9}) is not None  # of 227 KiB
+
+
+@pytest.mark.parametrize(
+    ("spec", "knob", "used"),
+    [
+        (LinearSpec("matmul", 200, 96), 4, 1),  # 3 k steps
+        (LinearSpec("matmul", 200, 256), 3, 2),  # 8 k steps: a power of two, not 3
+        (LinearSpec("matmul", 200, 256), 8, 8),
+        (LinearSpec("matmul_fp8", 72, 256, FP8), 8, 4),  # 4 FP8 k steps of 64
+    ],
+)
+def test_tiled_slots_take_a_power_of_two_of_k_steps(spec, knob, used):
+    """The rows of a slot hold 4 * k_steps 16-byte chunks, and the swizzle flips chunk bit 2 (bit 0 for FP8's
+    x) of odd rows: a power of two keeps every flipped chunk inside its row."""
+    kernel = LinearMmaRule().apply(spec, SM90, {"gemm_k_steps": knob, "gemm_k_splits": 1, "gemm_stages": 2})
+    assert kernel.knobs["gemm_k_steps"] == used
 
 
 # ------------------------------------------------------------------------------------------------- NVRTC
@@ -498,6 +568,9 @@ def test_gemm_mode_compiles_for_every_arch(target):
         rule.apply(LinearSpec("lm_head", 512, 256, FP8), target, {"x_stages": 3, "row_tiles": 2, "stages": 1}),
         rule.apply(LinearSpec("matmul", 200, 96), target, {"x_stages": 2, "n_warps": 4, "warps": 1, "m_tile": 32}),
         rule.apply(LinearSpec("matmul_fp8", 4096, 12288, FP8), target, {"x_stages": 3, "n_warps": 2, "warps": 2}),
+        # the tiled GEMM above gemm_rows: FP8 with k splits, and bf16 lm_head (f32 out) of one split
+        rule.apply(LinearSpec("matmul_fp8", 4096, 12288, FP8, name="tiled_fp8"), target),
+        rule.apply(LinearSpec("lm_head", 520, 256), target, {"gemm_n_warps": 1, "gemm_m_tiles": 4}),
     ]
     cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)
     assert cubin_arch(compile_cubin(cuda.source, target.arch)) == target.arch

@@ -1,0 +1,248 @@
+"""Tensor-core GEMM for many rows of `x` (64-256 block rows, or thousands of context rows): both operands
+tiled through shared memory, each fragment feeding several `mma.sync.m16n8k16`.
+
+`linear_mma.py`'s GEMM mode streams the weight from global memory straight into registers and reads x back
+from shared memory once per mma: 256 bytes of shared-memory reads (and as many of `cp.async` writes) per
+m16n8k16, which caps it near 4 clocks per mma per SM. Here a block computes a `block_n × block_m` tile of
+`yᵀ = W · xᵀ` (weight rows as the mma's M, rows of x as its N, as in `linear_mma.py`): a pipeline of
+`stages` shared-memory slots, each one k step (`4 · vector` logical k: 32 bf16, 64 e4m3) of the block's
+weight rows and x rows, filled with 16-byte `cp.async` copies `stages - 1` k steps ahead of the one
+multiplied. A warp owns `n_tiles` 16-row weight tiles × `m_tiles` 8-row x tiles: per k step it reads its
+A fragments once (two 16-byte loads per weight tile) and each x tile's B fragment once, then runs
+`n_tiles · m_tiles · vector / 4` mmas, so shared-memory reads per mma fall with the warp tile (about 96
+bytes at 4 × 8 tiles).
+
+Logical k is mapped onto memory as in `linear_mma.py`: within a k step, thread t of a lane quad takes the
+contiguous elements [t·V, (t+1)·V) of every row (V = 16 bytes of weight), for the weight and for x alike, so
+every fragment is one 16-byte shared-memory load per row (two for x under FP8, whose V is 16 e4m3 but whose
+x share is 16 bf16). A weight row of a slot is 64 bytes and eight lanes (two rows, four quads' threads)
+read 128 contiguous bytes: no bank conflict. An FP8 step's x row is 128 bytes, so its 16-byte chunks are
+swizzled (chunk c of row r sits at c xor (r mod 2)) to keep the two rows of a phase on different banks.
+
+The pipeline: `stages - 1` slots are in flight while one is multiplied; each k step waits for its own
+copies (`cp.async.wait_group`), then a block barrier makes everyone's copies visible and ends every read of
+the slot the next copy overwrites. Weight rows past n read row n - 1 and rows of x past m are zero-filled
+(ignore-src); neither is stored. x tiles that lie wholly past m skip their mmas (warp-uniform).
+
+The grid is (m tiles, n tiles, k splits): the m tiles of one weight tile are neighbours in launch order, so
+the weight crosses from DRAM once and the other m tiles read it from L2. With `k_splits > 1` the k steps
+are cut into that many ranges, one per block, which write f32 partial sums to a workspace
+`[k_splits, m, n]`; a second kernel adds them (and applies the FP8 per-row scale). Narrow weights (qkv,
+o_proj, down) have too few weight tiles to fill the GPU at 128-256 rows without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .mma import a_fragments_macro, mma_m16n8k16
+
+if TYPE_CHECKING:
+    from .linear import LinearSpec
+
+WARP = 32
+MERGE_THREADS = 256
+ROW_BYTES = 64  # one k step of a weight row in shared memory: 4 threads × 16 bytes
+
+
+@dataclass(frozen=True)
+class TiledPlan:
+    """The resolved shape of one tiled GEMM kernel."""
+
+    n_warps: int  # warps along n (weight rows)
+    m_warps: int  # warps along m (rows of x)
+    n_tiles: int  # 16-row weight tiles per warp
+    m_tiles: int  # 8-row x tiles per warp
+    stages: int  # shared-memory slots of the copy pipeline
+    k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
+    vector: int  # weight elements per 16-byte load (8 bf16, 16 e4m3)
+    k_steps: int = 1  # k steps per slot (one barrier and one wait per slot)
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.n_tiles * self.n_warps
+
+    @property
+    def block_m(self) -> int:
+        return 8 * self.m_tiles * self.m_warps
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.n_warps * self.m_warps
+
+    @property
+    def step_k(self) -> int:
+        return 4 * self.vector
+
+    @property
+    def x_vectors(self) -> int:
+        """16-byte vectors of x (8 bf16) per thread, x row and k step."""
+        return self.vector // 8
+
+    def stage_bytes(self) -> int:
+        return self.k_steps * (self.block_n * ROW_BYTES + self.block_m * ROW_BYTES * self.x_vectors)
+
+    def shared_bytes(self) -> int:
+        return self.stages * self.stage_bytes()
+
+    def knobs(self) -> dict[str, int]:
+        return {"n_warps": self.n_warps, "m_warps": self.m_warps, "n_tiles": self.n_tiles, "m_tiles": self.m_tiles,
+                "stages": self.stages, "k_splits": self.k_splits, "k_steps": self.k_steps}  # fmt: skip
+
+    def registers(self) -> int:
+        """32-bit registers per thread: the accumulators, one k step's A fragments (the raw weight vectors,
+        and as many again of bf16 pairs for FP8), one B fragment and ~30 of addresses and loop state; ptxas
+        (NVRTC 13, sm_90a) used 194 at 4 x 8 tiles for bf16."""
+        return 4 * self.n_tiles * self.m_tiles + 8 * self.n_tiles * self.x_vectors + 4 * self.x_vectors + 30
+
+
+def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
+    """The kernel(s) of `plan` as a TVMScript macro `body(x, w, scale, y, m, part)`; `part` is the
+    `[k_splits, m, n]` f32 workspace (read only when k_splits > 1)."""
+    from tvm.script import tirx as T
+
+    n, k, fp8, out_dtype, wdtype = spec.n, spec.k, spec.fp8, spec.out_dtype, spec.weight_dtype
+    vec, xvs, step_k = plan.vector, plan.x_vectors, plan.step_k
+    bn_rows, bm_rows, threads, stages = plan.block_n, plan.block_m, plan.threads, plan.stages
+    n_tiles, m_tiles, n_warps, m_warps = plan.n_tiles, plan.m_tiles, plan.n_warps, plan.m_warps
+    k_splits, k_steps = plan.k_splits, plan.k_steps
+    per_split = k // step_k // k_splits // k_steps  # slots' worth of k per split
+    mps = vec // 4  # mmas per k step and tile pair
+    w_chunks_row, x_chunks_row = 4 * k_steps, 4 * xvs * k_steps  # 16-byte chunks of a row per slot
+    w_chunks, x_chunks = bn_rows * w_chunks_row, bm_rows * x_chunks_row
+    w_rounds, x_rounds = -(-w_chunks // threads), -(-x_chunks // threads)
+    n_blocks = -(-n // bn_rows)
+    mma = mma_m16n8k16()
+    a_fragments = a_fragments_macro(fp8, n_tiles, mps)
+
+    def swizzle(chunk: Any, row: Any, per_lane: int, chunks: int) -> Any:
+        # eight lanes read rows r, r + 1 (r even), four chunks each (`per_lane` apart); rows of 128 bytes or
+        # more would put both rows' chunks on the same banks, so odd rows flip the chunk bit that moves them
+        # to the other half of the bank window: 4 for adjacent chunks, 1 for chunks two apart (FP8's x)
+        if chunks < 8:
+            return chunk
+        return T.bitwise_xor(chunk, (row % 2) * (4 if per_lane == 1 else 1))
+
+    @T.macro
+    def load_stage(x, w, m, ws, xs, bm, bn, ks, tid, slot, step):
+        if step < per_split:
+            for i in T.unroll(w_rounds):
+                c = T.meta_var(i * threads + tid)
+                row = T.meta_var(c // w_chunks_row)
+                if w_chunks % threads == 0 or c < w_chunks:
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        T.address_of(ws[slot, row, swizzle(c % w_chunks_row, row, 1, w_chunks_row) * vec]),
+                        T.address_of(w[T.min(bn * bn_rows + row, n - 1),
+                                       (ks * per_split + step) * k_steps * step_k + c % w_chunks_row * vec]),
+                        16,
+                    ))  # fmt: skip
+            for i in T.unroll(x_rounds):
+                c = T.meta_var(i * threads + tid)
+                row = T.meta_var(c // x_chunks_row)
+                if x_chunks % threads == 0 or c < x_chunks:
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        T.address_of(xs[slot, row, swizzle(c % x_chunks_row, row, xvs, x_chunks_row) * 8]),
+                        T.address_of(x[T.min(bm * bm_rows + row, m - 1),
+                                       (ks * per_split + step) * k_steps * step_k + c % x_chunks_row * 8]),
+                        16,
+                        bm * bm_rows + row >= m,
+                    ))  # fmt: skip
+        T.evaluate(T.ptx["cp.async.commit_group"]())  # one group per step, empty or not: wait_group counts them
+
+    @T.macro
+    def compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, wn, wm, g, t, slot, sub):
+        for nt in T.unroll(n_tiles):
+            for h in T.unroll(2):
+                row = T.meta_var((wn * n_tiles + nt) * 16 + h * 8 + g)
+                for v in T.vectorized(vec):
+                    wl[0, 0, nt, h, v] = ws[slot, row, swizzle(sub * 4 + t, row, 1, w_chunks_row) * vec + v]
+        a_fragments(wl, af, 0, 0, 0, mps)
+        for mt in T.unroll(m_tiles):
+            if bm * bm_rows + (wm * m_tiles + mt) * 8 < m:  # warp-uniform: x tiles past m do nothing
+                for xv in T.unroll(xvs):
+                    row = T.meta_var((wm * m_tiles + mt) * 8 + g)
+                    for v in T.vectorized(8):
+                        xl[v] = xs[slot, row, swizzle((sub * 4 + t) * xvs + xv, row, xvs, x_chunks_row) * 8 + v]
+                    # B fragments through a scalar copy: TVM retypes a local buffer only ever accessed as
+                    # whole vectors, which would break the mma's element offsets (as in linear_mma.py)
+                    for v in T.unroll(8):
+                        bf[xv * 8 + v] = xl[v]
+                for nt in T.unroll(n_tiles):
+                    for j in T.unroll(mps):
+                        mma(af, (nt * mps + j) * 8, bf, 4 * j, acc, (nt * m_tiles + mt) * 4)
+
+    @T.macro
+    def store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
+        # accumulator e of (nt, mt): weight row g + 8·(e // 2) of the tile, x row 2t + e % 2
+        for nt in T.unroll(n_tiles):
+            for mt in T.unroll(m_tiles):
+                for e in T.unroll(4):
+                    i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
+                    j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
+                    if i < m and j < n:
+                        if k_splits > 1:
+                            part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
+                        elif fp8:
+                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
+                        else:
+                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
+
+    @T.macro
+    def merge(scale, y, part, m):
+        for b in T.thread_binding(T.ceildiv(m * n, MERGE_THREADS), thread="blockIdx.x"):
+            for tx in T.thread_binding(MERGE_THREADS, thread="threadIdx.x"):
+                with T.sblock("tiled_merge"):
+                    T.reads()
+                    T.writes()
+                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    if b * MERGE_THREADS + tx < m * n:
+                        total[0] = T.float32(0)
+                        for s in T.unroll(k_splits):
+                            total[0] = total[0] + part[s, (b * MERGE_THREADS + tx) // n, (b * MERGE_THREADS + tx) % n]
+                        if fp8:
+                            total[0] = total[0] * scale[(b * MERGE_THREADS + tx) % n]
+                        y[(b * MERGE_THREADS + tx) // n, (b * MERGE_THREADS + tx) % n] = T.Cast(out_dtype, total[0])
+
+    @T.macro
+    def body(x, w, scale, y, m, part):
+        for bm in T.thread_binding(T.ceildiv(m, bm_rows), thread="blockIdx.x"):
+            for bn in T.thread_binding(n_blocks, thread="blockIdx.y"):
+                for ks in T.thread_binding(k_splits, thread="blockIdx.z"):
+                    for ty in T.thread_binding(n_warps * m_warps, thread="threadIdx.y"):
+                        for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                            with T.sblock("tiled"):
+                                T.reads()
+                                T.writes()
+                                # one allocation carved in two: the weight slots, then the x slots (TVM's
+                                # merge of two dynamic buffers may overlap them where it sees no loop)
+                                smem = T.sblock_alloc_buffer((plan.shared_bytes() // 2,), "bfloat16",
+                                                             scope="shared.dyn")  # fmt: skip
+                                ws = T.decl_buffer((stages, bn_rows, w_chunks_row * vec), wdtype, data=smem.data,
+                                                   scope="shared.dyn")  # fmt: skip
+                                xs = T.decl_buffer((stages, bm_rows, x_chunks_row * 8), "bfloat16", data=smem.data,
+                                                   elem_offset=stages * bn_rows * w_chunks_row * 8,
+                                                   scope="shared.dyn")  # fmt: skip
+                                wl = T.sblock_alloc_buffer((1, 1, n_tiles, 2, vec), wdtype, scope="local")
+                                af = T.sblock_alloc_buffer((n_tiles * mps * 8,), "bfloat16", scope="local")
+                                xl = T.sblock_alloc_buffer((8,), "bfloat16", scope="local")
+                                bf = T.sblock_alloc_buffer((8 * xvs,), "bfloat16", scope="local")
+                                acc = T.sblock_alloc_buffer((n_tiles * m_tiles * 4,), "float32", scope="local")
+                                tid = T.meta_var(ty * WARP + tx)
+                                for i in T.unroll(n_tiles * m_tiles * 4):
+                                    acc[i] = T.float32(0)
+                                for s in T.unroll(stages - 1):
+                                    load_stage(x, w, m, ws, xs, bm, bn, ks, tid, s, s)
+                                for kt in range(per_split):
+                                    T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                                    T.tvm_storage_sync("shared")
+                                    load_stage(x, w, m, ws, xs, bm, bn, ks, tid, (kt + stages - 1) % stages,
+                                               kt + stages - 1)  # fmt: skip
+                                    for sub in T.unroll(k_steps):
+                                        compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, ty // m_warps,
+                                                     ty % m_warps, tx // 4, tx % 4, kt % stages, sub)  # fmt: skip
+                                store(scale, y, part, m, acc, bm, bn, ks, ty // m_warps, ty % m_warps, tx // 4, tx % 4)
+        if k_splits > 1:
+            merge(scale, y, part, m)
+
+    return body
