@@ -343,13 +343,15 @@ def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
       blocks per SM, at most 8 (qkv 34 / 63 against 58 / 115, o_proj 26 / 42 against 37 / 70, down 65 /
       103 against 93 / 181).
     * FP8 weights take 128-row blocks (4 x 8 tiles), whose x share per weight byte is half (an FP8 k step
-      reads twice the weight's bytes of x), four slots and k splits toward two blocks per SM (lm_head 595 /
-      1161 against 875 / 1733 with 64-row blocks; qkv 41 / 68, down 57 / 111).
+      reads twice the weight's bytes of x), four slots, and for narrow weights k splits toward two blocks
+      per SM (lm_head 595 / 1161 against 875 / 1733 with 64-row blocks; gate_up 136 / 224; qkv 41 / 68,
+      down 57 / 111). A wide weight's split only adds its merge: gate_up at 256 rows took 206 + 34 µs with
+      two splits in the drafter step against 224 alone.
     """
     vector = 16 // ITEM_BYTES[spec.weight_dtype]
     wide = spec.n >= 2 * target.sm_count * 64
     if spec.fp8:
-        shape = {"n_tiles": 4, "k_steps": 1, "stages": 4, "per_sm": 2}
+        shape = {"n_tiles": 4, "k_steps": 1, "stages": 4, "per_sm": 0 if wide else 2}
     elif wide:
         shape = {"n_tiles": 2, "k_steps": 2, "stages": 3, "per_sm": 0}
     else:

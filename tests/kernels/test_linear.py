@@ -439,19 +439,23 @@ def test_n_warps_share_one_x_tile(target):
         # steps); on GB10's 48 SMs qkv counts as wide: two k steps per slot, no split
         (LinearSpec("matmul", 6144, 4096), {"sm_90": (64, 4, 1), "sm_120": (64, 4, 1), "sm_121": (64, 1, 2)}),
         (LinearSpec("matmul", 4096, 12288), {"sm_90": (64, 6, 1), "sm_120": (64, 8, 1), "sm_121": (64, 3, 1)}),
-        # FP8: 128-row blocks, k splits toward two blocks per SM
+        # FP8: 128-row blocks; narrow weights split k toward two blocks per SM
         (
             LinearSpec("matmul_fp8", 6144, 4096, FP8),
-            {"sm_90": (128, 4, 1), "sm_120": (128, 8, 1), "sm_121": (128, 2, 1)},
+            {"sm_90": (128, 4, 1), "sm_120": (128, 8, 1), "sm_121": (128, 1, 1)},  # wide on GB10
         ),
         (
             LinearSpec("lm_head", 151936, 4096, FP8),
             {"sm_90": (128, 1, 1), "sm_120": (128, 1, 1), "sm_121": (128, 1, 1)},
         ),
+        (  # a wide FP8 weight is not split: its merge would cost more than the split brings
+            LinearSpec("matmul_fp8", 24576, 4096, FP8),
+            {"sm_90": (128, 1, 1), "sm_120": (128, 1, 1), "sm_121": (128, 1, 1)},
+        ),
         (LinearSpec("lm_head", 151936, 4096), {"sm_90": (64, 1, 2), "sm_120": (64, 1, 2), "sm_121": (64, 1, 2)}),
         (LinearSpec("matmul", 200, 96), {"sm_90": (64, 3, 1), "sm_120": (64, 3, 1), "sm_121": (64, 3, 1)}),  # 3 k steps
     ],
-    ids=["qkv", "down", "qkv-fp8", "lm_head-fp8", "lm_head", "tiny"],
+    ids=["qkv", "down", "qkv-fp8", "lm_head-fp8", "gate_up-fp8", "lm_head", "tiny"],
 )
 def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     """By default a linear is a GEMV-mode kernel up to gemm_rows rows and the tiled GEMM above (with its
