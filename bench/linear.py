@@ -143,7 +143,8 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.codegen import lower_to_cuda
     from dflash_compiler.nvrtc import compile_cubin
     from dflash_compiler.schedules.base import ScheduleError
-    from dflash_compiler.schedules.linear import TILED_KNOBS, LinearGemvRule, LinearMmaRule
+    from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule
+    from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
     from dflash_compiler.targets import get_target
 
     target = get_target(args.target)

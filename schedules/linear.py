@@ -29,7 +29,7 @@ from dflash_compiler.targets import Target
 
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
-from .linear_tiled import TiledPlan
+from .linear_tiled import TILED_KNOBS, TiledPlan
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
 BF16, FP8, F32 = "bfloat16", "float8_e4m3fn", "float32"
@@ -37,8 +37,6 @@ ITEM_BYTES = {BF16: 2, FP8: 1, F32: 4}
 _OPS = {Op.MATMUL.value: (BF16,), Op.MATMUL_FP8.value: (FP8,), Op.LM_HEAD.value: (BF16, FP8)}
 _DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32}
 _OP_ATTR = "dflash.op"
-# the tiled GEMM's knobs, as gemm_<name> of LinearMmaRule
-TILED_KNOBS = ("n_warps", "m_warps", "n_tiles", "m_tiles", "stages", "k_splits", "k_steps")
 
 
 @dataclass(frozen=True)
@@ -267,8 +265,7 @@ class LinearMmaRule(FamilyRule):
         if spec is None or not mma_fits(spec, target):
             return None
         chosen = self.knobs_for(spec, target, knobs)
-        plan, func = self._func(spec, target, chosen)
-        gemm = self._gemm_plan(spec, target, chosen)
+        plan, gemm, func = self._func(spec, target, chosen)
         used = {f"gemm_{key}": value for key, value in gemm.knobs().items()} if gemm else {}
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
                       knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used}, spec=spec)  # fmt: skip
@@ -281,7 +278,9 @@ class LinearMmaRule(FamilyRule):
         given = {name: knobs[f"gemm_{name}"] for name in TILED_KNOBS if knobs[f"gemm_{name}"] != 0}
         return fit_tiled_plan(spec, target, {**tiled_defaults(spec, target), **given})
 
-    def _func(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> tuple[MmaPlan, Any]:
+    def _func(
+        self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]
+    ) -> tuple[MmaPlan, TiledPlan | None, Any]:
         plan = fit_mma_plan(spec, target, knobs)
         rows = knobs["gemm_rows"]
         if rows < 0:
@@ -293,7 +292,7 @@ class LinearMmaRule(FamilyRule):
                 "Fix: gemm_rows 0, or x_stages 0"
             )
         gemm = self._gemm_plan(spec, target, knobs)
-        return plan, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None)
+        return plan, gemm, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
         """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
@@ -329,7 +328,7 @@ class LinearMmaRule(FamilyRule):
         return self.resolve_knobs(target, {**mode, **(knobs or {})})
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        return self._func(spec, target, knobs)[1]
+        return self._func(spec, target, knobs)[2]
 
 
 def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
@@ -361,7 +360,7 @@ def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     stages = max(2, min(shape["stages"], target.shared_memory_per_sm // 2 // plan.stage_bytes()))
     blocks = -(-spec.n // plan.block_n)
     splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] else 1
-    return {**plan.knobs(), "stages": stages, "k_splits": max(1, splits)}
+    return {**plan.knobs(), "stages": stages, "k_splits": splits}
 
 
 def fit_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:

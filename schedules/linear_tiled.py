@@ -5,21 +5,24 @@ tiled through shared memory, each fragment feeding several `mma.sync.m16n8k16`.
 from shared memory once per mma: 256 bytes of shared-memory reads (and as many of `cp.async` writes) per
 m16n8k16, which caps it near 4 clocks per mma per SM. Here a block computes a `block_n × block_m` tile of
 `yᵀ = W · xᵀ` (weight rows as the mma's M, rows of x as its N, as in `linear_mma.py`): a pipeline of
-`stages` shared-memory slots, each one k step (`4 · vector` logical k: 32 bf16, 64 e4m3) of the block's
-weight rows and x rows, filled with 16-byte `cp.async` copies `stages - 1` k steps ahead of the one
-multiplied. A warp owns `n_tiles` 16-row weight tiles × `m_tiles` 8-row x tiles: per k step it reads its
-A fragments once (two 16-byte loads per weight tile) and each x tile's B fragment once, then runs
-`n_tiles · m_tiles · vector / 4` mmas, so shared-memory reads per mma fall with the warp tile (about 96
+`stages` shared-memory slots, each `k_steps` k steps (one k step is `4 · vector` logical k: 32 bf16, 64
+e4m3) of the block's weight rows and x rows, filled with 16-byte `cp.async` copies `stages - 1` slots ahead
+of the one multiplied. The weight slots and the x slots are carved out of one dynamic allocation. A warp
+owns `n_tiles` 16-row weight tiles × `m_tiles` 8-row x tiles: per k step it reads its A fragments once
+(two 16-byte loads per weight tile) and each x tile's B fragment once, then runs `n_tiles · m_tiles ·
+vector / 4` mmas, so shared-memory reads per mma fall with the warp tile (about 96
 bytes at 4 × 8 tiles).
 
 Logical k is mapped onto memory as in `linear_mma.py`: within a k step, thread t of a lane quad takes the
 contiguous elements [t·V, (t+1)·V) of every row (V = 16 bytes of weight), for the weight and for x alike, so
 every fragment is one 16-byte shared-memory load per row (two for x under FP8, whose V is 16 e4m3 but whose
-x share is 16 bf16). A weight row of a slot is 64 bytes and eight lanes (two rows, four quads' threads)
-read 128 contiguous bytes: no bank conflict. An FP8 step's x row is 128 bytes, so its 16-byte chunks are
-swizzled (chunk c of row r sits at c xor (r mod 2)) to keep the two rows of a phase on different banks.
+x share is 16 bf16). Eight lanes (two rows, four quads' threads) read one phase. With a slot row of 64
+bytes (one bf16 or weight k step) they read 128 contiguous bytes: no bank conflict. Rows of 128 bytes or
+more would put both rows on the same banks, so odd rows swizzle their 16-byte chunks: chunk c sits at
+c xor 4 where a lane's chunks are adjacent, c xor 1 where they are two apart (FP8's x). `k_steps` is a
+power of two, so the flipped chunk stays in its row.
 
-The pipeline: `stages - 1` slots are in flight while one is multiplied; each k step waits for its own
+The pipeline: `stages - 1` slots are in flight while one is multiplied; each slot waits for its own
 copies (`cp.async.wait_group`), then a block barrier makes everyone's copies visible and ends every read of
 the slot the next copy overwrites. Weight rows past n read row n - 1 and rows of x past m are zero-filled
 (ignore-src); neither is stored. x tiles that lie wholly past m skip their mmas (warp-uniform).
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
 WARP = 32
 MERGE_THREADS = 256
 ROW_BYTES = 64  # one k step of a weight row in shared memory: 4 threads × 16 bytes
+# the plan's knob fields (LinearMmaRule takes them as gemm_<name>)
+TILED_KNOBS = ("n_warps", "m_warps", "n_tiles", "m_tiles", "stages", "k_splits", "k_steps")
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,7 @@ class TiledPlan:
         return self.stages * self.stage_bytes()
 
     def knobs(self) -> dict[str, int]:
-        return {"n_warps": self.n_warps, "m_warps": self.m_warps, "n_tiles": self.n_tiles, "m_tiles": self.m_tiles,
-                "stages": self.stages, "k_splits": self.k_splits, "k_steps": self.k_steps}  # fmt: skip
+        return {name: getattr(self, name) for name in TILED_KNOBS}
 
     def registers(self) -> int:
         """32-bit registers per thread: the accumulators, one k step's A fragments (the raw weight vectors,
