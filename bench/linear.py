@@ -23,7 +23,9 @@ and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one
 builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tiled.py), default and variants
 named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>`, against GEMV mode
 alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness
-cases of odd shapes:
+cases of odd shapes. `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows:
+the default (the small tiled kernel for bf16 weights), GEMV mode, and variants named
+`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>`:
 
     python bench/linear.py build --gemm -o build/linear_gemm
     PYTHONPATH=. python bench/linear.py run build/linear_gemm --json build/linear_gemm/results.json
@@ -125,6 +127,12 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
             ("lm_head", 520, 256, FP8))  # fmt: skip
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
+# --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
+# (default for bf16) against GEMV mode, with variants of (gemv_tiled_stages, gemv_tiled_k_steps) for both dtypes
+FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+FEW_ROWS = (1, 8, 16, 32)
+FEW_VARIANTS = ((4, 8), (3, 8), (6, 8), (4, 4), (8, 4))
+FEW_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8", 72, 128, FP8))
 KNOB_NAMES = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
 FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
 
@@ -161,16 +169,21 @@ def build(args: argparse.Namespace) -> None:
         entries.append({"label": label, "spec": _spec_fields(spec), "rule": kernel.rule, "knobs": dict(kernel.knobs),
                         "rows": list(rows), "timed": timed})  # fmt: skip
 
+    def add_variant(label: str, spec: LinearSpec, tag: str, rows: Iterable[int], knobs: dict[str, int],
+                    timed: bool = True) -> None:  # fmt: skip
+        """`spec` under `knobs` as kernel `<name>__<tag>`, labelled `<label> <tag>`; knobs that do not fit
+        the target are reported and skipped."""
+        variant = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__{tag}")
+        try:
+            add(f"{label} {tag}", variant, mma, rows, knobs, timed)
+        except ScheduleError as exc:
+            print(f"skip {variant.name}: {exc}")
+
     def add_variants(label: str, spec: LinearSpec, knob_sets: Iterable[tuple[int, ...]], rows: Iterable[int],
                      timed: bool = True) -> None:  # fmt: skip
         for values in knob_sets:
-            knobs = dict(zip(KNOB_NAMES, values, strict=False))
             tag = "".join(f"{c}{v}" for c, v in zip("wrumsxn", values, strict=False))
-            variant = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__{tag}")
-            try:
-                add(f"{label} {tag}", variant, mma, rows, knobs, timed)
-            except ScheduleError as exc:
-                print(f"skip {variant.name}: {exc}")
+            add_variant(label, spec, tag, rows, dict(zip(KNOB_NAMES, values, strict=False)), timed)
 
     def linear(label: str, wdtype: str) -> tuple[str, LinearSpec]:
         op, n, k = SHAPES[label]
@@ -180,25 +193,32 @@ def build(args: argparse.Namespace) -> None:
     def add_tiled(label: str, spec: LinearSpec, variants: Iterable[tuple[int, ...]], rows: Iterable[int],
                   timed: bool = True) -> None:  # fmt: skip
         for values in variants:
-            tag = "t{}x{}t{}x{}s{}k{}x{}".format(*values)
-            variant = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__{tag}")
             knobs = {"gemm_rows": 32, **{f"gemm_{key}": v for key, v in zip(TILED_KNOBS, values, strict=True)}}
-            try:
-                add(f"{label} {tag}", variant, mma, rows, knobs, timed)
-            except ScheduleError as exc:
-                print(f"skip {variant.name}: {exc}")
+            add_variant(label, spec, "t{}x{}t{}x{}s{}k{}x{}".format(*values), rows, knobs, timed)
 
     if args.gemm:
         for label in GEMM_SHAPES:
             for wdtype in (BF16, FP8):
                 name, spec = linear(label, wdtype)
                 add(name, spec, mma, GEMM_ROWS)
-                gemv = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype, name=f"{spec.name}__gemv")
-                add(f"{name} gemv", gemv, mma, GEMM_ROWS[1:], {"gemm_rows": 0})
+                add_variant(name, spec, "gemv", GEMM_ROWS[1:], {"gemm_rows": 0})
                 add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
                 add_tiled(name, spec, TILED_VARIANTS, GEMM_ROWS[1:])
         for op, n, k, wdtype in GEMM_ODD:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
+        shapes, odd = (), ()
+    elif args.few_rows:
+        for label in FEW_SHAPES:
+            for wdtype in (BF16, FP8):
+                name, spec = linear(label, wdtype)
+                add(name, spec, mma, FEW_ROWS)
+                add_variant(name, spec, "gemv", FEW_ROWS, {"gemv_tiled_stages": 0})
+                for stages, k_steps in FEW_VARIANTS:
+                    knobs = {"gemv_tiled_stages": stages, "gemv_tiled_k_steps": k_steps}
+                    add_variant(name, spec, f"s{stages}x{k_steps}", FEW_ROWS, knobs)
+        for op, n, k, wdtype in FEW_ODD:  # ragged n, rows past m, FP8 weights through the small tiled kernel
+            add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few", (1, 7, 16, 32),
+                        {"gemv_tiled_stages": 3}, False)  # fmt: skip
         shapes, odd = (), ()
     else:
         shapes, odd = SHAPES, ODD
@@ -463,6 +483,8 @@ def main() -> int:
     b.add_argument("--small", action="store_true", help="add warps/unroll variants of the block-row layers")
     b.add_argument("--fp8", action="store_true", help="add knob variants of the FP8-weight linears at 16-32 rows")
     b.add_argument("--gemm", action="store_true", help="only the tiled GEMM's variants vs GEMV mode at 16-256 rows")
+    b.add_argument("--few-rows", action="store_true",
+                   help="only the kernel for calls of at most gemm_rows rows: small tiled vs GEMV mode at 1-32 rows")
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
     r.add_argument("bundle")

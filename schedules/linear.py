@@ -227,14 +227,17 @@ class LinearMmaRule(FamilyRule):
     x_stages 0: calls with more rows than this go to the tiled GEMM of `linear_tiled.py`, picked by the
     host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are `gemm_n_warps`,
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits` and `gemm_k_steps`
-    (TiledPlan); 0 takes `tiled_defaults`. `warps`, `unroll`, `gemm_k_splits` and `gemm_k_steps` are upper
-    bounds: the largest values that divide the k steps evenly are used, and the Kernel reports the values
-    used.
+    (TiledPlan); 0 takes `tiled_defaults`. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
+    rows on a tiled kernel too (`small_tiled_plan`: one warp per 16 weight rows and 16 rows of x, that many
+    slots of `gemv_tiled_k_steps` k steps, no k split), whose weight stream is in flight in shared memory
+    rather than in registers; 0 keeps them on GEMV mode. `warps`, `unroll`, `gemm_k_splits`,
+    `gemm_k_steps` and `gemv_tiled_k_steps` are upper bounds: the largest values that divide the k steps
+    evenly are used, and the Kernel reports the values used.
     """
 
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
-                  *(f"gemm_{name}" for name in TILED_KNOBS))  # fmt: skip
+                  *(f"gemm_{name}" for name in TILED_KNOBS), "gemv_tiled_stages", "gemv_tiled_k_steps")  # fmt: skip
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
@@ -255,6 +258,9 @@ class LinearMmaRule(FamilyRule):
             "gemm_rows": 32,
             # the tiled GEMM's shape (linear_tiled.py); 0: by the weight's shape (tiled_defaults)
             **{f"gemm_{name}": 0 for name in TILED_KNOBS},
+            # calls of at most gemm_rows rows: GEMV mode (0) or the small tiled kernel; by the weight
+            "gemv_tiled_stages": 0,
+            "gemv_tiled_k_steps": 8,
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -265,10 +271,11 @@ class LinearMmaRule(FamilyRule):
         if spec is None or not mma_fits(spec, target):
             return None
         chosen = self.knobs_for(spec, target, knobs)
-        plan, gemm, func = self._func(spec, target, chosen)
+        plan, gemm, small, func = self._func(spec, target, chosen)
         used = {f"gemm_{key}": value for key, value in gemm.knobs().items()} if gemm else {}
+        few = {"gemv_tiled_stages": small.stages if small else 0, "gemv_tiled_k_steps": small.k_steps if small else 0}
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
-                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used}, spec=spec)  # fmt: skip
+                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few}, spec=spec)  # fmt: skip
 
     def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | None:
         """The GEMM kernel's plan where calls above gemm_rows rows go to one: the knobs given, the rest by
@@ -280,7 +287,7 @@ class LinearMmaRule(FamilyRule):
 
     def _func(
         self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]
-    ) -> tuple[MmaPlan, TiledPlan | None, Any]:
+    ) -> tuple[MmaPlan, TiledPlan | None, TiledPlan | None, Any]:
         plan = fit_mma_plan(spec, target, knobs)
         rows = knobs["gemm_rows"]
         if rows < 0:
@@ -292,7 +299,8 @@ class LinearMmaRule(FamilyRule):
                 "Fix: gemm_rows 0, or x_stages 0"
             )
         gemm = self._gemm_plan(spec, target, knobs)
-        return plan, gemm, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None)
+        small = small_tiled_plan(spec, target, knobs) if gemm and knobs["gemv_tiled_stages"] else None
+        return plan, gemm, small, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
         """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
@@ -314,21 +322,49 @@ class LinearMmaRule(FamilyRule):
         * other FP8 weights (down, fc): 8 warps of one stage (the registers of a 64-wide k step's x fragments
           leave no room for a second); bf16 keeps the target defaults.
         """
-        wide = spec.n >= 4 * target.sm_count * 2 * MMA_ROWS
+        wide = wide_weight(spec, target)
         if spec.fp8 and wide:
             return {"warps": 4, "row_tiles": 2, "unroll": 2, "stages": 1}
         if not wide and spec.k <= 4096:
             return {"unroll": 2}
         return {"warps": 8, "stages": 1} if spec.fp8 else {}
 
+    def few_rows_defaults(self, spec: LinearSpec, target: Target) -> dict[str, int]:
+        """Which kernel takes the calls of at most gemm_rows rows, by weight shape, from an H200 run of
+        bench/linear.py --few-rows (µs at 1 / 8 / 16 / 32 rows, GEMV mode → chosen):
+
+        * wide bf16 weights (as in gemv_defaults): the small tiled kernel, four slots of 4 k steps (32 KiB,
+          so the blocks of two x tiles still fit one wave): gate_up 49.9 / 51.0 / 53.4 / 94.7 → 47.5 / 48.9 /
+          50.3 / 71.6, lm_head 285.9 / 290.1 / 300.1 / 565.7 → 278.3 / 288.3 / 299.6 / 442.2;
+        * narrow bf16 weights with k <= 4096: slots of 8 k steps, four (64 KiB, three blocks per SM) unless
+          three (48 KiB, four per SM) fit the blocks of 32 rows in one wave: qkv 14.7 / 15.3 / 16.0 / 28.2 →
+          14.7 / 14.6 / 15.0 / 22.2 with four (its 768 blocks of 32 rows fit neither), o_proj 11.6 / 11.7 /
+          12.0 / 18.4 → 11.9 / 12.0 / 12.1 / 12.8 with three (21.0 at 32 rows with four);
+        * bf16 weights with k > 4096 stay on GEMV mode (down 26.6 / 27.5 / 28.4 / 53.0 against 29.3 / 29.6 /
+          30.3 / 34.6 with three slots of 8), and so do FP8 weights (o_proj 8.9 / 9.0 / 9.3 against 11.0 /
+          11.0 / 11.5 with four slots of 4; gate_up and lm_head within noise of GEMV mode).
+        """
+        if spec.fp8:
+            return {}
+        if wide_weight(spec, target):
+            return {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4}
+        if spec.k > 4096:
+            return {}
+        blocks_of_32_rows = 2 * -(-spec.n // MMA_ROWS)
+        return {"gemv_tiled_stages": 3 if blocks_of_32_rows <= 4 * target.sm_count else 4, "gemv_tiled_k_steps": 8}
+
     def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
-        """The target's defaults, then the GEMM-mode or the shape's GEMV-mode ones, then `knobs`."""
+        """The target's defaults, then the GEMM-mode or the shape's GEMV-mode and few-rows ones, then `knobs`."""
         gemm = self.resolve_knobs(target, knobs)["x_stages"] > 0  # also refuses unknown names and non-ints
-        mode = {**self.gemm_defaults(target), "gemm_rows": 0} if gemm else self.gemv_defaults(spec, target)
+        mode = (
+            {**self.gemm_defaults(target), "gemm_rows": 0}
+            if gemm
+            else {**self.gemv_defaults(spec, target), **self.few_rows_defaults(spec, target)}
+        )
         return self.resolve_knobs(target, {**mode, **(knobs or {})})
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        return self._func(spec, target, knobs)[2]
+        return self._func(spec, target, knobs)[3]
 
 
 def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
@@ -361,6 +397,28 @@ def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     blocks = -(-spec.n // plan.block_n)
     splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] else 1
     return {**plan.knobs(), "stages": stages, "k_splits": splits}
+
+
+def wide_weight(spec: LinearSpec, target: Target) -> bool:
+    """At least 4 blocks per SM of 32 weight rows (16896 rows on the H200's 132 SMs, 6144 on GB10's 48)."""
+    return spec.n >= 4 * target.sm_count * 2 * MMA_ROWS
+
+
+def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:
+    """The tiled kernel for calls of at most gemm_rows rows: one warp per block, 16 weight rows by 16 rows of
+    x (a call of 17-32 rows takes two x tiles, the second reading the weight from L2), `gemv_tiled_stages`
+    slots of up to `gemv_tiled_k_steps` k steps, no k split (no merge launch).
+
+    Why shared memory: a short weight stream is bound by the bytes in flight per SM (bench/stream.py on the
+    H200: a 32 MiB stream reaches 67 % of the copy bandwidth with 32 KiB in flight per SM, 84 % with 64 KiB
+    and 88 % with 128 KiB). GEMV mode holds its loads in registers, ~32-48 KiB per SM; here the weight half
+    of every slot in flight is held in shared memory at no register cost. Deeper is not better past a point:
+    the blocks of the call must still fit one wave (two x tiles at 17-32 rows double them), or the second
+    wave reads the weight from DRAM again.
+    """
+    return fit_tiled_plan(spec, target, {"n_warps": 1, "m_warps": 1, "n_tiles": 1, "m_tiles": 2, "k_splits": 1,
+                                         "stages": knobs["gemv_tiled_stages"],
+                                         "k_steps": knobs["gemv_tiled_k_steps"]})  # fmt: skip
 
 
 def fit_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:

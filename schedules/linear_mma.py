@@ -31,7 +31,9 @@ Where `x` goes is the `x_stages` knob:
 * 0, GEMV mode: the x fragments of a batch are loaded with its weight, straight into registers. Those
   registers (stages · unroll · m_tile / 8 · V / 2) cap m_tile at 16-32, so m = 128 re-streams the weight
   eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` instead,
-  which the host code picks per call.
+  which the host code picks per call, and for most bf16 weights the calls up to gemm_rows rows go to a
+  small plan of the same kernel (`small_tiled_plan` in linear.py), whose weight in flight sits in shared
+  memory instead of registers.
 * n >= 1, GEMM mode (a knob setting; the tiled GEMM is 1.2-1.7x faster at 64-256 rows on the H200;
   m_tile 64-256, the weight streamed once for up to m_tile rows): the registers hold the accumulators
   (row_tiles · m_tile / 8 · 4 floats) and x goes through shared memory. Each thread copies the 16-byte x
@@ -138,27 +140,40 @@ def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
     return x_stages * (m_tile // MMA_COLS) * warps * WARP * 16
 
 
-def mma_gemv_func(spec: LinearSpec, plan: MmaPlan, gemm: tuple[int, TiledPlan] | None = None) -> Any:
+def mma_gemv_func(
+    spec: LinearSpec,
+    plan: MmaPlan,
+    gemm: tuple[int, TiledPlan] | None = None,
+    small: TiledPlan | None = None,
+) -> Any:
     """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`.
 
     With `gemm = (rows, tiled_plan)` the PrimFunc also holds the tiled GEMM of `linear_tiled.py` and its
-    host code picks per call: `plan`'s kernel for m <= rows, the GEMM above (with, for k splits, its
-    workspace and merge kernel); the kernel table records each launch's condition (codegen.KernelLaunch.when).
+    host code picks per call: `plan`'s kernel for m <= rows (or, with `small`, a second tiled kernel of
+    that plan, which must not split k), the GEMM above (with, for k splits, its workspace and merge kernel);
+    the kernel table records each launch's condition (codegen.KernelLaunch.when).
     """
     from tvm.script import tirx as T
 
     n, k = spec.n, spec.k
     out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
     body = _body_macro(spec, plan)
+    if small is not None and (gemm is None or small.k_splits != 1):
+        raise ValueError("mma_gemv_func: a tiled kernel for few rows needs gemm = (rows, plan) and one k split")
     if gemm is not None:
         rows, tiled = gemm
-        small, large = body, tiled_body_macro(spec, tiled)
+        few = body if small is None else tiled_body_macro(spec, small)
+        large = tiled_body_macro(spec, tiled)
         splits = tiled.k_splits
 
         @T.macro
         def body(x, w, scale, y, m):
             if m <= rows:
-                small(x, w, scale, y, m)
+                if small is None:
+                    few(x, w, scale, y, m)
+                else:
+                    unused = T.sblock_alloc_buffer((1,), "float32")  # no k split: no partial sums
+                    few(x, w, scale, y, m, unused)
             else:
                 # the k splits' partial sums (a host workspace; one slot of nothing without splits)
                 part = T.sblock_alloc_buffer((splits, m, n) if splits > 1 else (1,), "float32")

@@ -25,7 +25,9 @@ power of two, so the flipped chunk stays in its row.
 The pipeline: `stages - 1` slots are in flight while one is multiplied; each slot waits for its own
 copies (`cp.async.wait_group`), then a block barrier makes everyone's copies visible and ends every read of
 the slot the next copy overwrites. Weight rows past n read row n - 1 and rows of x past m are zero-filled
-(ignore-src); neither is stored. x tiles that lie wholly past m skip their mmas (warp-uniform).
+(ignore-src); neither is stored. x tiles that lie wholly past m skip their mmas (warp-uniform). The
+first slots' weight copies are issued before the wait for the grid that writes x (programmatic dependent
+launch, dependent_launch.py) and their x copies after it.
 
 The grid is (m tiles, n tiles, k splits): the m tiles of one weight tile are neighbours in launch order, so
 the weight crosses from DRAM once and the other m tiles read it from L2. With `k_splits > 1` the k steps
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from dflash_compiler.dependent_launch import WAIT
 
 from .mma import a_fragments_macro, mma_m16n8k16
 
@@ -129,7 +133,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
         return T.bitwise_xor(chunk, (row % 2) * (4 if per_lane == 1 else 1))
 
     @T.macro
-    def load_stage(x, w, m, ws, xs, bm, bn, ks, tid, slot, step):
+    def load_w_stage(w, ws, bn, ks, tid, slot, step):
         if step < per_split:
             for i in T.unroll(w_rounds):
                 c = T.meta_var(i * threads + tid)
@@ -141,6 +145,11 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                        (ks * per_split + step) * k_steps * step_k + c % w_chunks_row * vec]),
                         16,
                     ))  # fmt: skip
+
+    @T.macro
+    def load_x_stage(x, m, xs, bm, ks, tid, slot, step):
+        # closes the step's copy group: wait_group counts one group per step, empty or not
+        if step < per_split:
             for i in T.unroll(x_rounds):
                 c = T.meta_var(i * threads + tid)
                 row = T.meta_var(c // x_chunks_row)
@@ -152,7 +161,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                         16,
                         bm * bm_rows + row >= m,
                     ))  # fmt: skip
-        T.evaluate(T.ptx["cp.async.commit_group"]())  # one group per step, empty or not: wait_group counts them
+        T.evaluate(T.ptx["cp.async.commit_group"]())
 
     @T.macro
     def compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, wn, wm, g, t, slot, sub):
@@ -235,13 +244,19 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                 tid = T.meta_var(ty * WARP + tx)
                                 for i in T.unroll(n_tiles * m_tiles * 4):
                                     acc[i] = T.float32(0)
+                                # weights are never written by a kernel: the first slots' weight copies are in
+                                # flight before the wait for the grid that writes x (dependent_launch.py); the
+                                # first copy group then holds them all, which only makes its wait stricter
                                 for s in T.unroll(stages - 1):
-                                    load_stage(x, w, m, ws, xs, bm, bn, ks, tid, s, s)
+                                    load_w_stage(w, ws, bn, ks, tid, s, s)
+                                T.evaluate(T.call_extern("void", WAIT))
+                                for s in T.unroll(stages - 1):
+                                    load_x_stage(x, m, xs, bm, ks, tid, s, s)
                                 for kt in range(per_split):
                                     T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
                                     T.tvm_storage_sync("shared")
-                                    load_stage(x, w, m, ws, xs, bm, bn, ks, tid, (kt + stages - 1) % stages,
-                                               kt + stages - 1)  # fmt: skip
+                                    load_w_stage(w, ws, bn, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
+                                    load_x_stage(x, m, xs, bm, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
                                     for sub in T.unroll(k_steps):
                                         compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, ty // m_warps,
                                                      ty % m_warps, tx // 4, tx % 4, kt % stages, sub)  # fmt: skip

@@ -6,6 +6,8 @@ arch. Numbers on the GPU: bench/linear.py (H200 table in the report).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -24,6 +26,7 @@ from dflash_compiler.schedules.linear import (
     fit_mma_plan,
     fit_tiled_plan,
     random_weight,
+    small_tiled_plan,
     spec_of,
 )
 from dflash_compiler.targets import SM90, SM120, SM121
@@ -171,8 +174,19 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 
 
 def _gemv_knobs(kernel):
-    """The knobs of the GEMV-mode kernel and gemm_rows (without the tiled GEMM's gemm_*)."""
-    return {k: v for k, v in kernel.knobs.items() if not k.startswith("gemm_") or k == "gemm_rows"}
+    """The knobs of the GEMV-mode kernel and gemm_rows (without the tiled kernels' gemm_* and gemv_tiled_*)."""
+    return {
+        k: v
+        for k, v in kernel.knobs.items()
+        if not (k.startswith("gemm_") or k.startswith("gemv_tiled_")) or k == "gemm_rows"
+    }
+
+
+def _only_weights_before_the_wait(body: str) -> None:
+    """Under a dependent launch a kernel may touch before its one wait only what no kernel writes: the weight."""
+    assert body.count(f"{WAIT}();") == 1
+    before = body[: body.index(f"{WAIT}();")]
+    assert "w_ptr" in before and not re.search(r"\b(x|y|scale|part)_ptr\b", before)
 
 
 def _lower(kernel, target=SM90):
@@ -187,8 +201,9 @@ def _lower(kernel, target=SM90):
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
 def test_mma_kernel_lowers_with_a_sane_launch(target):
-    kernel = LinearMmaRule().apply(LinearSpec("matmul", 6144, 4096), target)
+    kernel = LinearMmaRule().apply(LinearSpec("matmul", 6144, 4096), target, {"gemv_tiled_stages": 0})
     assert kernel is not None and kernel.rule == "linear_mma"
+    assert (kernel.knobs["gemv_tiled_stages"], kernel.knobs["gemv_tiled_k_steps"]) == (0, 0)  # GEMV mode
     assert _gemv_knobs(kernel) == {
         "warps": 4,
         "row_tiles": 1,
@@ -212,6 +227,7 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
     body = cuda.source[start:end]
     wait = body.index(f"{WAIT}();")
     assert body.index(f"{PREFETCH_L2}(") < wait < min(body.index("(x_ptr + "), body.index("y_ptr["))
+    _only_weights_before_the_wait(body)
 
 
 def test_fp8_kernel_has_its_own_defaults_and_scales():
@@ -267,7 +283,7 @@ def test_gemv_defaults_follow_the_weight_shape(spec, target, chosen):
     ids=["short-k", "n8", "n200", "override"],
 )
 def test_mma_knobs_fit_the_shape(spec, knobs, used, grid):
-    kernel = LinearMmaRule().apply(spec, SM90, knobs)
+    kernel = LinearMmaRule().apply(spec, SM90, {"gemv_tiled_stages": 0, **knobs})
     assert kernel is not None
     assert {k: kernel.knobs[k] for k in used} == used
     _, launch = _lower(kernel)
@@ -363,7 +379,9 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
         "stages": 2,
         "x_stages": 2,
         "n_warps": 1,
-        "gemm_rows": 0,
+        "gemm_rows": 0,  # one kernel for every m: neither tiled kernel
+        "gemv_tiled_stages": 0,
+        "gemv_tiled_k_steps": 0,
     }
     plan = fit_mma_plan(spec, target, kernel.knobs)
     cuda, launch = _lower(kernel, target)
@@ -384,6 +402,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
     assert body.count("__syncthreads()") == 3
     # under a dependent launch the weight prefetch comes before the wait and x only after it
     assert body.index(f"{PREFETCH_L2}(") < body.index(f"{WAIT}();") < body.index("x_ptr[")
+    _only_weights_before_the_wait(body)
 
 
 def test_gemm_mode_register_and_shared_memory_estimates():
@@ -500,6 +519,9 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
         assert body.count("cp_async_cg_ignore_src") == x_copies * plan.stages
     assert body.count(f"cp_async_wait_group_async_wait_group_{plan.stages - 2}()") == 1
     assert body.count("__syncthreads()") == 1
+    # the prologue's weight copies fly before the wait for the grid that writes x, x's after it
+    assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
+    _only_weights_before_the_wait(body)
     # a warp's n_tiles x 8 tiles: as many mmas per 16 logical k, over the slot's k steps
     assert body.count(MMA_BF16) == plan.n_tiles * 8 * plan.vector // 4 * plan.k_steps
     # gemm_rows 0: the GEMV-mode kernel alone, for every m
@@ -509,9 +531,59 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     assert only.when == "1" and only.runs({"m": 512})
 
 
+@pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
+def test_few_rows_of_a_bf16_weight_go_to_a_small_tiled_kernel(target):
+    """Calls of at most gemm_rows rows: bf16 weights stream through the small tiled kernel (one warp per 16
+    weight rows and 16 rows of x, slots in shared memory, no k split), FP8 weights through GEMV mode."""
+    spec = LinearSpec("matmul", 6144, 4096)
+    kernel = LinearMmaRule().apply(spec, target)
+    # qkv is narrow on the H200's 132 SMs (four slots of 8 k steps: its 768 blocks of 32 rows fit no
+    # wave), wide on GB10's 48 (four of 4)
+    slots = (4, 8) if target is SM90 else (4, 4)
+    assert (kernel.knobs["gemv_tiled_stages"], kernel.knobs["gemv_tiled_k_steps"]) == slots
+    plan = small_tiled_plan(spec, target, kernel.knobs)
+    assert (plan.block_n, plan.block_m, plan.threads, plan.k_splits) == (16, 16, 32, 1)
+    assert plan.shared_bytes() == slots[0] * slots[1] * (16 + 16) * 64 <= target.max_shared_memory_per_block
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
+    func = cuda.functions[kernel.name]
+    few, gemm, *merge = func.kernels
+    for m in (1, 7, 16, 32):
+        assert func.launches({"m": m}) == [few], m
+    assert func.launches({"m": 33}) == [gemm, *merge]
+    assert few.grid == ("((m + 15) // 16)", "384", "1") and few.block == ("32", "1", "1")
+    assert int(few.dynamic_smem) == plan.shared_bytes()
+    assert len(func.workspaces) == len(merge)  # the big GEMM's k splits have one; the few-rows kernel none
+    body = cuda.source[slice(*kernel_bodies(cuda.source)[few.name])]
+    assert "(w_ptr + " not in body and "(x_ptr + " not in body  # both operands by async copies only
+    assert body.count(MMA_BF16) == 2 * 2 * plan.k_steps  # two x tiles, two mmas per 16-row tile and k step
+    assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
+    _only_weights_before_the_wait(body)
+    # by shape: wide weights four slots of 4 k steps, k > 4096 and FP8 weights GEMV mode
+    for other, chosen in [
+        (LinearSpec("matmul", 24576, 4096), (4, 4)),
+        (LinearSpec("lm_head", 151936, 4096), (4, 4)),
+        (LinearSpec("matmul", 4096, 4096), (3, 8) if target is SM90 else (4, 8)),  # 512 blocks of 32 rows
+        (LinearSpec("matmul", 4096, 12288), (0, 0)),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (0, 0)),
+        (LinearSpec("lm_head", 151936, 4096, FP8), (0, 0)),
+    ]:
+        knobs = LinearMmaRule().apply(other, target).knobs
+        assert (knobs["gemv_tiled_stages"], knobs["gemv_tiled_k_steps"]) == chosen, other.name
+    # gemv_tiled_stages 0 gives bf16 weights GEMV mode too, and gemm_rows 0 leaves one kernel
+    for knobs in ({"gemv_tiled_stages": 0}, {"gemm_rows": 0}):
+        plain = LinearMmaRule().apply(spec, target, knobs)
+        assert plain.knobs["gemv_tiled_stages"] == 0
+        first = lower_to_cuda(tvm.IRModule({plain.name: plain.func}), target).functions[plain.name].kernels[0]
+        assert first.grid == ("384", "1", "1") and first.block == ("32", "4", "1")
+    # the k steps per slot shrink to a power of two dividing k / 32: 3 k steps take slots of 1
+    assert LinearMmaRule().apply(LinearSpec("matmul", 200, 96), target).knobs["gemv_tiled_k_steps"] == 1
+
+
 @pytest.mark.parametrize(
     ("knobs", "target", "message"),
     [
+        ({"gemv_tiled_stages": 1}, SM90, "stages >= 2"),
+        ({"gemv_tiled_stages": 8}, SM120, "shared memory"),  # 8 x 16 KiB of 99
         ({"gemm_stages": 1}, SM90, "stages >= 2"),
         ({"gemm_n_warps": -1}, SM90, "positive values"),
         ({"gemm_n_warps": 8, "gemm_m_warps": 8}, SM90, "at most 32 warps"),
