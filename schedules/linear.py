@@ -336,10 +336,10 @@ class LinearMmaRule(FamilyRule):
         * wide bf16 weights (as in gemv_defaults): the small tiled kernel, four slots of 4 k steps (32 KiB,
           so the blocks of two x tiles still fit one wave): gate_up 49.9 / 51.0 / 53.4 / 94.7 → 47.5 / 48.9 /
           50.3 / 71.6, lm_head 285.9 / 290.1 / 300.1 / 565.7 → 278.3 / 288.3 / 299.6 / 442.2;
-        * narrow bf16 weights with k <= 4096: slots of 8 k steps, four (64 KiB, three blocks per SM) unless
-          three (48 KiB, four per SM) fit the blocks of 32 rows in one wave: qkv 14.7 / 15.3 / 16.0 / 28.2 →
-          14.7 / 14.6 / 15.0 / 22.2 with four (its 768 blocks of 32 rows fit neither), o_proj 11.6 / 11.7 /
-          12.0 / 18.4 → 11.9 / 12.0 / 12.1 / 12.8 with three (21.0 at 32 rows with four);
+        * narrow bf16 weights with k <= 4096: slots of 8 k steps, four (64 KiB, three blocks per H200 SM)
+          unless three (48 KiB, four) fit the blocks of 32 rows in one wave of the target: qkv 14.7 / 15.3 /
+          16.0 / 28.2 → 14.7 / 14.6 / 15.0 / 22.2 with four (its 768 blocks of 32 rows fit neither), o_proj
+          11.6 / 11.7 / 12.0 / 18.4 → 11.9 / 12.0 / 12.1 / 12.8 with three (21.0 at 32 rows with four);
         * bf16 weights with k > 4096 stay on GEMV mode (down 26.6 / 27.5 / 28.4 / 53.0 against 29.3 / 29.6 /
           30.3 / 34.6 with three slots of 8), and so do FP8 weights (o_proj 8.9 / 9.0 / 9.3 against 11.0 /
           11.0 / 11.5 with four slots of 4; gate_up and lm_head within noise of GEMV mode).
@@ -350,8 +350,9 @@ class LinearMmaRule(FamilyRule):
             return {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4}
         if spec.k > 4096:
             return {}
-        blocks_of_32_rows = 2 * -(-spec.n // MMA_ROWS)
-        return {"gemv_tiled_stages": 3 if blocks_of_32_rows <= 4 * target.sm_count else 4, "gemv_tiled_k_steps": 8}
+        three = small_tiled_plan(spec, target, {"gemv_tiled_stages": 3, "gemv_tiled_k_steps": 8})
+        one_wave = target.shared_memory_per_sm // three.shared_bytes() * target.sm_count
+        return {"gemv_tiled_stages": 3 if 2 * -(-spec.n // MMA_ROWS) <= one_wave else 4, "gemv_tiled_k_steps": 8}
 
     def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
         """The target's defaults, then the GEMM-mode or the shape's GEMV-mode and few-rows ones, then `knobs`."""
@@ -409,12 +410,12 @@ def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int])
     x (a call of 17-32 rows takes two x tiles, the second reading the weight from L2), `gemv_tiled_stages`
     slots of up to `gemv_tiled_k_steps` k steps, no k split (no merge launch).
 
-    Why shared memory: a short weight stream is bound by the bytes in flight per SM (bench/stream.py on the
-    H200: a 32 MiB stream reaches 67 % of the copy bandwidth with 32 KiB in flight per SM, 84 % with 64 KiB
-    and 88 % with 128 KiB). GEMV mode holds its loads in registers, ~32-48 KiB per SM; here the weight half
-    of every slot in flight is held in shared memory at no register cost. Deeper is not better past a point:
-    the blocks of the call must still fit one wave (two x tiles at 17-32 rows double them), or the second
-    wave reads the weight from DRAM again.
+    Why shared memory: a short weight stream is bound by the bytes in flight per SM (a read-only stream
+    kernel on the H200, as in bench/stream.py: 32 MiB per launch reach 67 % of the copy bandwidth with
+    32 KiB in flight per SM, 84 % with 64 KiB and 88 % with 128 KiB). GEMV mode holds its loads in
+    registers, ~32-48 KiB per SM; here the weight half of every slot in flight is held in shared memory at
+    no register cost. Deeper is not better past a point: the blocks of the call must still fit one wave
+    (two x tiles at 17-32 rows double them), or the second wave reads the weight from DRAM again.
     """
     return fit_tiled_plan(spec, target, {"n_warps": 1, "m_warps": 1, "n_tiles": 1, "m_tiles": 2, "k_splits": 1,
                                          "stages": knobs["gemv_tiled_stages"],

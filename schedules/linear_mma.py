@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
 
+from .base import ScheduleError
 from .linear_tiled import TiledPlan, tiled_body_macro
 from .mma import a_fragments_macro, mma_m16n8k16
 
@@ -159,7 +160,10 @@ def mma_gemv_func(
     out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
     body = _body_macro(spec, plan)
     if small is not None and (gemm is None or small.k_splits != 1):
-        raise ValueError("mma_gemv_func: a tiled kernel for few rows needs gemm = (rows, plan) and one k split")
+        raise ScheduleError(
+            f"{spec.name}: a tiled kernel for few rows was given with gemm={gemm} and {small.k_splits} k splits; "
+            "expected gemm = (rows, plan), which it shares the calls with, and one k split (it has no workspace)"
+        )
     if gemm is not None:
         rows, tiled = gemm
         few = body if small is None else tiled_body_macro(spec, small)

@@ -29,6 +29,7 @@ from dflash_compiler.schedules.linear import (
     small_tiled_plan,
     spec_of,
 )
+from dflash_compiler.schedules.linear_mma import mma_gemv_func
 from dflash_compiler.targets import SM90, SM120, SM121
 
 tvm = pytest.importorskip("tvm")
@@ -577,6 +578,10 @@ def test_few_rows_of_a_bf16_weight_go_to_a_small_tiled_kernel(target):
         assert first.grid == ("384", "1", "1") and first.block == ("32", "4", "1")
     # the k steps per slot shrink to a power of two dividing k / 32: 3 k steps take slots of 1
     assert LinearMmaRule().apply(LinearSpec("matmul", 200, 96), target).knobs["gemv_tiled_k_steps"] == 1
+    # it shares the calls with the big GEMM and has no workspace: alone, or with a k split, it is refused
+    gemv_plan = fit_mma_plan(spec, target, kernel.knobs)
+    with pytest.raises(ScheduleError, match="one k split"):
+        mma_gemv_func(spec, gemv_plan, None, plan)
 
 
 @pytest.mark.parametrize(
