@@ -55,6 +55,25 @@ def kernel_body(source: str, name: str) -> str:
     return found.group(1)
 
 
+def assert_only_weights_before_the_wait(source: str, name: str) -> None:
+    """Kernel `name` of `source` waits once for its inputs (dependent_launch.py) and, before that wait,
+    touches no parameter but the weight `w`: under a dependent launch everything else may still be in
+    the making. A kernel that waits first touches nothing before it."""
+    import re
+
+    from dflash_compiler.dependent_launch import WAIT, kernel_bodies
+
+    start, end = kernel_bodies(source)[name]
+    body = source[start:end]
+    assert body.count(f"{WAIT}();") == 1, name
+    if body.lstrip().startswith(f"{WAIT}();"):
+        return
+    signature = source[source.rfind("\n", 0, start - 1) + 1 : start]
+    params = set(re.findall(r"(\w+_ptr)\b", signature))
+    early = params & set(re.findall(r"(\w+_ptr)\b", body[: body.index(f"{WAIT}();")]))
+    assert early == {"w_ptr"}, (name, early)
+
+
 def lowered_per_target(rule, cases):
     """`get(target)`: the CUDA module of `rule` applied to every `(spec, knobs, ...)` case, lowered once per target."""
     import tvm

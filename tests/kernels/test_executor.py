@@ -84,8 +84,8 @@ def test_every_launch_gets_every_pointer_and_its_sizes(manifest):
     }
     ex.run(dims)
     plan = manifest.phases["propose"]
-    # a linear holds a GEMV-mode kernel and the tiled GEMM (plus its merge kernel where k is split); each call
-    # launches what its row count selects
+    # a linear holds its kernel for few rows (GEMV mode or the small tiled plan) and the tiled GEMM (plus its
+    # merge kernel where k is split); each call launches what its row count selects
     launches = []
     for call in plan.calls:
         env = {var: eval_dim(expr, dims) for var, expr in call.sizes}

@@ -8,9 +8,8 @@ append), so the real-shape examples build the kernels they would deploy.
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from kernel_harness import assert_only_weights_before_the_wait
 
 from dflash_compiler.checkpoint import example_config_path, list_examples
 from dflash_compiler.config import load_drafter_config
@@ -66,7 +65,6 @@ def test_gemm_mode_linears_build_for_target(programs, target):
 
 def _check_build(program, build, target):
     from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
-    from dflash_compiler.dependent_launch import WAIT, kernel_bodies
 
     assert cubin_arch(build.cubin) == target.arch
     for phase, graph in program.phases.items():
@@ -75,16 +73,8 @@ def _check_build(program, build, target):
     static = static_shared_bytes(build.cubin)
     launched = {k.name for fn in build.cuda.functions.values() for k in fn.kernels}
     assert launched <= set(kernel_names(build.cubin)), "every kernel of the table is in the cubin"
-    bodies = kernel_bodies(build.cuda.source)
     for name in launched:  # safe to launch as a programmatic dependent (dependent_launch.py)
-        body = build.cuda.source[slice(*bodies[name])]
-        assert body.count(f"{WAIT}();") == 1, name
-        if not body.lstrip().startswith(f"{WAIT}();"):  # the linears load weights first, nothing else
-            start = bodies[name][0]
-            signature = build.cuda.source[build.cuda.source.rfind("\n", 0, start - 1) + 1 : start]
-            params = set(re.findall(r"(\w+_ptr)\b", signature))
-            early = params & set(re.findall(r"(\w+_ptr)\b", body[: body.index(f"{WAIT}();")]))
-            assert early == {"w_ptr"}, (name, early)
+        assert_only_weights_before_the_wait(build.cuda.source, name)
     for phase, plan in build.plans.items():
         maxima = dict(program.phases[phase].meta["memory"].bindings)
         for call in plan.calls:

@@ -6,8 +6,6 @@ arch. Numbers on the GPU: bench/linear.py (H200 table in the report).
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -35,7 +33,7 @@ from dflash_compiler.targets import SM90, SM120, SM121
 tvm = pytest.importorskip("tvm")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from kernel_harness import assert_spec_matches_numpy  # noqa: E402 - needs TVM
+from kernel_harness import assert_only_weights_before_the_wait, assert_spec_matches_numpy  # noqa: E402 - TVM
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
@@ -183,13 +181,6 @@ def _gemv_knobs(kernel):
     }
 
 
-def _only_weights_before_the_wait(body: str) -> None:
-    """Under a dependent launch a kernel may touch before its one wait only what no kernel writes: the weight."""
-    assert body.count(f"{WAIT}();") == 1
-    before = body[: body.index(f"{WAIT}();")]
-    assert "w_ptr" in before and not re.search(r"\b(x|y|scale|part)_ptr\b", before)
-
-
 def _lower(kernel, target=SM90):
     """The CUDA module and the kernel's first launch (GEMV mode where gemm_rows adds a GEMM-mode one)."""
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
@@ -228,7 +219,7 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
     body = cuda.source[start:end]
     wait = body.index(f"{WAIT}();")
     assert body.index(f"{PREFETCH_L2}(") < wait < min(body.index("(x_ptr + "), body.index("y_ptr["))
-    _only_weights_before_the_wait(body)
+    assert_only_weights_before_the_wait(cuda.source, launch.name)
 
 
 def test_fp8_kernel_has_its_own_defaults_and_scales():
@@ -403,7 +394,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
     assert body.count("__syncthreads()") == 3
     # under a dependent launch the weight prefetch comes before the wait and x only after it
     assert body.index(f"{PREFETCH_L2}(") < body.index(f"{WAIT}();") < body.index("x_ptr[")
-    _only_weights_before_the_wait(body)
+    assert_only_weights_before_the_wait(cuda.source, launch.name)
 
 
 def test_gemm_mode_register_and_shared_memory_estimates():
@@ -522,7 +513,7 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     assert body.count("__syncthreads()") == 1
     # the prologue's weight copies fly before the wait for the grid that writes x, x's after it
     assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
-    _only_weights_before_the_wait(body)
+    assert_only_weights_before_the_wait(cuda.source, gemm.name)
     # a warp's n_tiles x 8 tiles: as many mmas per 16 logical k, over the slot's k steps
     assert body.count(MMA_BF16) == plan.n_tiles * 8 * plan.vector // 4 * plan.k_steps
     # gemm_rows 0: the GEMV-mode kernel alone, for every m
@@ -558,7 +549,7 @@ def test_few_rows_of_a_bf16_weight_go_to_a_small_tiled_kernel(target):
     assert "(w_ptr + " not in body and "(x_ptr + " not in body  # both operands by async copies only
     assert body.count(MMA_BF16) == 2 * 2 * plan.k_steps  # two x tiles, two mmas per 16-row tile and k step
     assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
-    _only_weights_before_the_wait(body)
+    assert_only_weights_before_the_wait(cuda.source, few.name)
     # by shape: wide weights four slots of 4 k steps, k > 4096 and FP8 weights GEMV mode
     for other, chosen in [
         (LinearSpec("matmul", 24576, 4096), (4, 4)),
