@@ -25,7 +25,7 @@ named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k
 alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness
 cases of odd shapes. `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows:
 the default (the small tiled kernel for bf16 weights), GEMV mode, and variants named
-`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>`:
+`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>`:
 
     python bench/linear.py build --gemm -o build/linear_gemm
     PYTHONPATH=. python bench/linear.py run build/linear_gemm --json build/linear_gemm/results.json
@@ -128,10 +128,11 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
-# (default for bf16) against GEMV mode, with variants of (gemv_tiled_stages, gemv_tiled_k_steps) for both dtypes
+# (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 FEW_ROWS = (1, 8, 16, 32)
-FEW_VARIANTS = ((4, 8), (3, 8), (6, 8), (4, 4), (8, 4))
+# (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps)
+FEW_VARIANTS = ((4, 8, 1), (3, 8, 1), (4, 4, 1), (4, 8, 4), (4, 4, 4), (3, 16, 8), (3, 16, 4), (2, 16, 4))
 FEW_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8", 72, 128, FP8))
 KNOB_NAMES = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
 FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
@@ -151,7 +152,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.codegen import lower_to_cuda
     from dflash_compiler.nvrtc import compile_cubin
     from dflash_compiler.schedules.base import ScheduleError
-    from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule
+    from dflash_compiler.schedules.linear import FEW_ROWS_KNOBS, LinearGemvRule, LinearMmaRule
     from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
     from dflash_compiler.targets import get_target
 
@@ -193,7 +194,7 @@ def build(args: argparse.Namespace) -> None:
     def add_tiled(label: str, spec: LinearSpec, variants: Iterable[tuple[int, ...]], rows: Iterable[int],
                   timed: bool = True) -> None:  # fmt: skip
         for values in variants:
-            knobs = {"gemm_rows": 32, **{f"gemm_{key}": v for key, v in zip(TILED_KNOBS, values, strict=True)}}
+            knobs = {"gemm_rows": 32, **{f"gemm_{key}": v for key, v in zip(TILED_KNOBS, values, strict=False)}}
             add_variant(label, spec, "t{}x{}t{}x{}s{}k{}x{}".format(*values), rows, knobs, timed)
 
     if args.gemm:
@@ -208,17 +209,20 @@ def build(args: argparse.Namespace) -> None:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
         shapes, odd = (), ()
     elif args.few_rows:
-        for label in FEW_SHAPES:
+        for label in args.shapes or FEW_SHAPES:
             for wdtype in (BF16, FP8):
                 name, spec = linear(label, wdtype)
                 add(name, spec, mma, FEW_ROWS)
                 add_variant(name, spec, "gemv", FEW_ROWS, {"gemv_tiled_stages": 0})
-                for stages, k_steps in FEW_VARIANTS:
-                    knobs = {"gemv_tiled_stages": stages, "gemv_tiled_k_steps": k_steps}
-                    add_variant(name, spec, f"s{stages}x{k_steps}", FEW_ROWS, knobs)
+                for values in FEW_VARIANTS:
+                    knobs = dict(zip(FEW_ROWS_KNOBS, values, strict=True))
+                    add_variant(name, spec, "s{}x{}k{}".format(*values), FEW_ROWS, knobs)
         for op, n, k, wdtype in FEW_ODD:  # ragged n, rows past m, FP8 weights through the small tiled kernel
             add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few", (1, 7, 16, 32),
                         {"gemv_tiled_stages": 3}, False)  # fmt: skip
+            # warps along k where the slot's k steps allow two
+            add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few_k2", (1, 7, 16, 32),
+                        {"gemv_tiled_stages": 3, "gemv_tiled_k_warps": 2}, False)  # fmt: skip
         shapes, odd = (), ()
     else:
         shapes, odd = SHAPES, ODD
@@ -485,6 +489,8 @@ def main() -> int:
     b.add_argument("--gemm", action="store_true", help="only the tiled GEMM's variants vs GEMV mode at 16-256 rows")
     b.add_argument("--few-rows", action="store_true",
                    help="only the kernel for calls of at most gemm_rows rows: small tiled vs GEMV mode at 1-32 rows")
+    b.add_argument("--shapes", nargs="*", choices=FEW_SHAPES, default=(),
+                   help="with --few-rows: only these weights (default: all of them)")
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
     r.add_argument("bundle")

@@ -3,13 +3,13 @@
 One step = append 7 new context rows per sequence + propose one block of 16 per sequence, with 4096
 context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-DFlash-b16 shape.
 
-    # build box (TVM, no GPU): the sm_90 artifacts (bf16, FP8, and bf16 with dependent launches),
+    # build box (TVM, no GPU): the sm_90 artifacts (bf16 and FP8, each also with dependent launches),
     # kernels and plans only
     python bench/propose.py build -o build/propose
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
-`run` makes the example's random checkpoint, packs both artifacts (numpy only), fills every sequence's
+`run` makes the example's random checkpoint, packs each artifact (numpy only), fills every sequence's
 cache, and measures in one process: our step (both phases replayed as CUDA graphs, GPU time between
 events), the PyTorch peer (static cache, fused projections, SDPA, the whole step in one CUDA graph) and the
 roofline (bytes one step must read ÷ the device-to-device copy bandwidth measured in the same run). It
@@ -41,8 +41,13 @@ BATCHES = (1, 4, 8, 16)
 CACHED = 4096
 NEW_ROWS = 7
 REPEATS = 30
-# (name, precision, dependent launch): "dependent" is the bf16 build with programmatic dependent launches
-VARIANTS = (("bf16", "bf16", False), ("fp8", "fp8", False), ("bf16-dependent", "bf16", True))
+# (name, precision, dependent launch): "-dependent" builds launch every kernel as a programmatic dependent
+VARIANTS = (
+    ("bf16", "bf16", False),
+    ("fp8", "fp8", False),
+    ("bf16-dependent", "bf16", True),
+    ("fp8-dependent", "fp8", True),
+)
 
 
 # ------------------------------------------------------------------------------------------ build box

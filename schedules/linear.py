@@ -37,6 +37,8 @@ ITEM_BYTES = {BF16: 2, FP8: 1, F32: 4}
 _OPS = {Op.MATMUL.value: (BF16,), Op.MATMUL_FP8.value: (FP8,), Op.LM_HEAD.value: (BF16, FP8)}
 _DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32}
 _OP_ATTR = "dflash.op"
+# the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
+FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps")
 
 
 @dataclass(frozen=True)
@@ -226,18 +228,19 @@ class LinearMmaRule(FamilyRule):
     that m_tile can cover 64-256 rows and the weight is streamed once per pass) and `gemm_rows` (with
     x_stages 0: calls with more rows than this go to the tiled GEMM of `linear_tiled.py`, picked by the
     host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are `gemm_n_warps`,
-    `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits` and `gemm_k_steps`
+    `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
     (TiledPlan); 0 takes `tiled_defaults`. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
-    rows on a tiled kernel too (`small_tiled_plan`: one warp per 16 weight rows and 16 rows of x, that many
-    slots of `gemv_tiled_k_steps` k steps, no k split), whose weight stream is in flight in shared memory
-    rather than in registers; 0 keeps them on GEMV mode. `warps`, `unroll`, `gemm_k_splits`,
-    `gemm_k_steps` and `gemv_tiled_k_steps` are upper bounds: the largest values that divide the k steps
-    evenly are used, and the Kernel reports the values used.
+    rows on a tiled kernel too (`small_tiled_plan`: 16 weight rows and 16 rows of x per block, that many
+    slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight
+    stream is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`,
+    `unroll`, `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and `gemv_tiled_k_warps`
+    are upper bounds: the largest values that divide the k steps evenly are used, and the Kernel reports
+    the values used.
     """
 
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
-                  *(f"gemm_{name}" for name in TILED_KNOBS), "gemv_tiled_stages", "gemv_tiled_k_steps")  # fmt: skip
+                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS)  # fmt: skip
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
@@ -261,6 +264,7 @@ class LinearMmaRule(FamilyRule):
             # calls of at most gemm_rows rows: GEMV mode (0) or the small tiled kernel; by the weight
             "gemv_tiled_stages": 0,
             "gemv_tiled_k_steps": 8,
+            "gemv_tiled_k_warps": 1,
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -273,7 +277,10 @@ class LinearMmaRule(FamilyRule):
         chosen = self.knobs_for(spec, target, knobs)
         plan, gemm, small, func = self._func(spec, target, chosen)
         used = {f"gemm_{key}": value for key, value in gemm.knobs().items()} if gemm else {}
-        few = {"gemv_tiled_stages": small.stages if small else 0, "gemv_tiled_k_steps": small.k_steps if small else 0}
+        few = dict.fromkeys(FEW_ROWS_KNOBS, 0)
+        if small:
+            few = {"gemv_tiled_stages": small.stages, "gemv_tiled_k_steps": small.k_steps,
+                   "gemv_tiled_k_warps": small.k_warps}  # fmt: skip
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
                       knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few}, spec=spec)  # fmt: skip
 
@@ -330,29 +337,36 @@ class LinearMmaRule(FamilyRule):
         return {"warps": 8, "stages": 1} if spec.fp8 else {}
 
     def few_rows_defaults(self, spec: LinearSpec, target: Target) -> dict[str, int]:
-        """Which kernel takes the calls of at most gemm_rows rows, by weight shape, from an H200 run of
-        bench/linear.py --few-rows (µs at 1 / 8 / 16 / 32 rows, GEMV mode → chosen):
+        """Which kernel takes the calls of at most gemm_rows rows, by weight shape, from H200 runs of
+        bench/linear.py --few-rows (µs at 16 rows, plain launches → launched as dependents of the last call,
+        as the drafter launches them; GEMV mode → chosen):
 
-        * wide bf16 weights (as in gemv_defaults): the small tiled kernel, four slots of 4 k steps (32 KiB,
-          so the blocks of two x tiles still fit one wave): gate_up 49.9 / 51.0 / 53.4 / 94.7 → 47.5 / 48.9 /
-          50.3 / 71.6, lm_head 285.9 / 290.1 / 300.1 / 565.7 → 278.3 / 288.3 / 299.6 / 442.2;
-        * narrow bf16 weights with k <= 4096: slots of 8 k steps, four (64 KiB, three blocks per H200 SM)
-          unless three (48 KiB, four) fit the blocks of 32 rows in one wave of the target: qkv 14.7 / 15.3 /
-          16.0 / 28.2 → 14.7 / 14.6 / 15.0 / 22.2 with four (its 768 blocks of 32 rows fit neither), o_proj
-          11.6 / 11.7 / 12.0 / 18.4 → 11.9 / 12.0 / 12.1 / 12.8 with three (21.0 at 32 rows with four);
-        * bf16 weights with k > 4096 stay on GEMV mode (down 26.6 / 27.5 / 28.4 / 53.0 against 29.3 / 29.6 /
-          30.3 / 34.6 with three slots of 8), and so do FP8 weights (o_proj 8.9 / 9.0 / 9.3 against 11.0 /
-          11.0 / 11.5 with four slots of 4; gate_up and lm_head within noise of GEMV mode).
+        * narrow bf16 weights: the small tiled kernel with its warps along k (`gemv_tiled_k_warps`), at the
+          deepest of three slots of 16 k steps (96 KiB, eight warps) and four of 8 (64 KiB, four warps) whose
+          16-row call fits one wave of the target's shared memory, else the second: o_proj 12.09 → 10.68
+          (dependent 12.11 → 9.52) and down 29.02 → 26.45 (34.97 → 24.96) with three of 16 (256 blocks), qkv
+          16.18 → 14.55 (19.01 → 13.18) with four of 8 (its 384 blocks would take two waves of three of 16:
+          17.64). One warp per block runs one chain of dependent mmas through every slot and set the pace
+          before: o_proj 12.18, qkv 15.21 at four of 8;
+        * wide bf16 weights (as in gemv_defaults): four slots of 4 k steps, one warp (warps along k were
+          within noise): gate_up 53.6 → 50.5, lm_head 306.4 → 297.6;
+        * narrow FP8 weights: four slots of 4 k steps (an FP8 k step is 64 wide), four warps along k: qkv
+          11.33 → 10.00, o_proj 9.40 → 7.53, down 19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode);
+        * wide FP8 weights stay on GEMV mode (lm_head 190.1 against 210.6; each block also reads twice the
+          weight's bytes of x).
         """
+        wide = wide_weight(spec, target)
+        if wide:
+            return {} if spec.fp8 else {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4, "gemv_tiled_k_warps": 1}
         if spec.fp8:
-            return {}
-        if wide_weight(spec, target):
-            return {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4}
-        if spec.k > 4096:
-            return {}
-        three = small_tiled_plan(spec, target, {"gemv_tiled_stages": 3, "gemv_tiled_k_steps": 8})
-        one_wave = target.shared_memory_per_sm // three.shared_bytes() * target.sm_count
-        return {"gemv_tiled_stages": 3 if 2 * -(-spec.n // MMA_ROWS) <= one_wave else 4, "gemv_tiled_k_steps": 8}
+            return {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4, "gemv_tiled_k_warps": 4}
+        blocks = -(-spec.n // MMA_ROWS)
+        for stages, k_steps, k_warps in ((3, 16, 8), (4, 8, 4)):
+            knobs = {"gemv_tiled_stages": stages, "gemv_tiled_k_steps": k_steps, "gemv_tiled_k_warps": k_warps}
+            plan = small_tiled_plan(spec, target, knobs)
+            if target.shared_memory_per_sm // plan.shared_bytes() * target.sm_count >= blocks:
+                break
+        return knobs
 
     def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
         """The target's defaults, then the GEMM-mode or the shape's GEMV-mode and few-rows ones, then `knobs`."""
@@ -406,50 +420,60 @@ def wide_weight(spec: LinearSpec, target: Target) -> bool:
 
 
 def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:
-    """The tiled kernel for calls of at most gemm_rows rows: one warp per block, 16 weight rows by 16 rows of
-    x (a call of 17-32 rows takes two x tiles, the second reading the weight from L2), `gemv_tiled_stages`
-    slots of up to `gemv_tiled_k_steps` k steps, no k split (no merge launch).
+    """The tiled kernel for calls of at most gemm_rows rows: 16 weight rows by 16 rows of x per block (a call
+    of 17-32 rows takes two x tiles, the second reading the weight from L2), `gemv_tiled_stages` slots of up
+    to `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps each multiplying its share of every slot, no
+    k split (no merge launch).
 
     Why shared memory: a short weight stream is bound by the bytes in flight per SM (a read-only stream
     kernel on the H200, as in bench/stream.py: 32 MiB per launch reach 67 % of the copy bandwidth with
     32 KiB in flight per SM, 84 % with 64 KiB and 88 % with 128 KiB). GEMV mode holds its loads in
     registers, ~32-48 KiB per SM; here the weight half of every slot in flight is held in shared memory at
-    no register cost. Deeper is not better past a point: the blocks of the call must still fit one wave
-    (two x tiles at 17-32 rows double them), or the second wave reads the weight from DRAM again.
+    no register cost. Deeper is not better past a point: the blocks of the call must still fit one wave,
+    or the second wave waits for the first. With one warp per block, one chain of dependent mmas runs
+    through every slot and paces the stream (o_proj at four slots of 8: 12.2 µs with one warp, 10.9 with
+    four along k).
     """
     return fit_tiled_plan(spec, target, {"n_warps": 1, "m_warps": 1, "n_tiles": 1, "m_tiles": 2, "k_splits": 1,
                                          "stages": knobs["gemv_tiled_stages"],
-                                         "k_steps": knobs["gemv_tiled_k_steps"]})  # fmt: skip
+                                         "k_steps": knobs["gemv_tiled_k_steps"],
+                                         "k_warps": knobs["gemv_tiled_k_warps"]}, few_rows=True)  # fmt: skip
 
 
-def fit_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:
+def fit_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int], few_rows: bool = False) -> TiledPlan:
     """The tiled GEMM's knobs fitted to `spec` (k_splits: the largest divisor of the k steps up to the knob;
-    k_steps: the largest power of two up to the knob that divides a split's steps) and checked against the
-    target's limits."""
+    k_steps: the largest power of two up to the knob that divides a split's steps; k_warps: the largest
+    power of two up to the knob that divides a slot's steps) and checked against the target's limits.
+    `few_rows`: the plan is the small one of `small_tiled_plan`, whose errors name its gemv_tiled_ knobs."""
     rule = LinearMmaRule.name
+    gemm_fix = "gemm_stages, gemm_k_steps, gemm_n_tiles or gemm_m_tiles"
+    fix = "gemv_tiled_stages or gemv_tiled_k_steps" if few_rows else gemm_fix
     values = {name: knobs[name] for name in TILED_KNOBS}
     if any(v < 1 for v in values.values()) or values["stages"] < 2:
         raise ScheduleError(
             f"{rule} GEMM knobs {values}: expected positive values and stages >= 2 (one slot copied while one "
             "is multiplied)"
         )
-    warps = values["n_warps"] * values["m_warps"]
+    warps = values["n_warps"] * values["m_warps"] * values["k_warps"]
     if WARP * warps > target.max_threads_per_block:
         raise ScheduleError(
-            f"{rule} GEMM knobs n_warps={values['n_warps']} x m_warps={values['m_warps']}: at most "
+            f"{rule} GEMM knobs n_warps={values['n_warps']} x m_warps={values['m_warps']} x "
+            f"k_warps={values['k_warps']}: at most "
             f"{target.max_threads_per_block // WARP} warps per block on {target.name}"
         )
     steps = spec.k // mma_step(spec)
     splits = _largest_divisor(steps, values["k_splits"])
     # k steps per slot: a power of two, so that the swizzle's xor stays inside a row of 8 * 2^j chunks
-    per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_steps"] and (steps // splits) % p == 0)
-    plan = TiledPlan(**{**values, "k_splits": splits, "k_steps": per_slot},
+    per_slot = max(p for p in (1, 2, 4, 8, 16) if p <= values["k_steps"] and (steps // splits) % p == 0)
+    # warps along k: a power of two up to the knob that splits the slot's k steps evenly
+    k_warps = max(p for p in (1, 2, 4, 8, 16) if p <= values["k_warps"] and per_slot % p == 0)
+    plan = TiledPlan(**{**values, "k_splits": splits, "k_steps": per_slot, "k_warps": k_warps},
                      vector=16 // ITEM_BYTES[spec.weight_dtype])  # fmt: skip
     if plan.shared_bytes() > target.max_shared_memory_per_block:
         raise ScheduleError(
             f"{rule}: GEMM stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "
             f"{plan.block_m} rows of x need {plan.shared_bytes()} bytes of shared memory; {target.name} allows "
-            f"{target.max_shared_memory_per_block}. Fix: lower gemm_stages, gemm_k_steps, gemm_n_tiles or gemm_m_tiles"
+            f"{target.max_shared_memory_per_block}. Fix: lower {fix}"
         )
     if plan.registers() > target.max_registers_per_thread:
         raise ScheduleError(

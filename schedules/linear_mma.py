@@ -31,7 +31,7 @@ Where `x` goes is the `x_stages` knob:
 * 0, GEMV mode: the x fragments of a batch are loaded with its weight, straight into registers. Those
   registers (stages · unroll · m_tile / 8 · V / 2) cap m_tile at 16-32, so m = 128 re-streams the weight
   eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` instead,
-  which the host code picks per call, and for most bf16 weights the calls up to gemm_rows rows go to a
+  which the host code picks per call, and for all but wide FP8 weights the calls up to gemm_rows rows go to a
   small plan of the same kernel (`small_tiled_plan` in linear.py), whose weight in flight sits in shared
   memory instead of registers.
 * n >= 1, GEMM mode (a knob setting; the tiled GEMM is 1.2-1.7x faster at 64-256 rows on the H200;

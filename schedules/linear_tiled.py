@@ -24,10 +24,14 @@ power of two, so the flipped chunk stays in its row.
 
 The pipeline: `stages - 1` slots are in flight while one is multiplied; each slot waits for its own
 copies (`cp.async.wait_group`), then a block barrier makes everyone's copies visible and ends every read of
-the slot the next copy overwrites. Weight rows past n read row n - 1 and rows of x past m are zero-filled
-(ignore-src); neither is stored. x tiles that lie wholly past m skip their mmas (warp-uniform). The
-first slots' weight copies are issued before the wait for the grid that writes x (programmatic dependent
-launch, dependent_launch.py) and their x copies after it.
+the slot the next copy overwrites. With `k_warps > 1` the block has that many warps per (n, m) warp tile,
+each multiplying its share of every slot's k steps; at the end they add their accumulators through shared
+memory and the first stores. A block of one warp tile otherwise runs one dependent chain of mmas through
+every slot, and with one or two blocks per SM that chain, not the bytes in flight, sets its pace.
+Weight rows past n read row n - 1 and rows of x past m are zero-filled (ignore-src); neither is stored.
+x tiles that lie wholly past m skip their mmas (warp-uniform). The first slots' weight copies are issued
+before the wait for the grid that writes x (programmatic dependent launch, dependent_launch.py) and their
+x copies after it.
 
 The grid is (m tiles, n tiles, k splits): the m tiles of one weight tile are neighbours in launch order, so
 the weight crosses from DRAM once and the other m tiles read it from L2. With `k_splits > 1` the k steps
@@ -52,7 +56,7 @@ WARP = 32
 MERGE_THREADS = 256
 ROW_BYTES = 64  # one k step of a weight row in shared memory: 4 threads × 16 bytes
 # the plan's knob fields (LinearMmaRule takes them as gemm_<name>)
-TILED_KNOBS = ("n_warps", "m_warps", "n_tiles", "m_tiles", "stages", "k_splits", "k_steps")
+TILED_KNOBS = ("n_warps", "m_warps", "n_tiles", "m_tiles", "stages", "k_splits", "k_steps", "k_warps")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class TiledPlan:
     k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
     vector: int  # weight elements per 16-byte load (8 bf16, 16 e4m3)
     k_steps: int = 1  # k steps per slot (one barrier and one wait per slot)
+    k_warps: int = 1  # warps along k: each multiplies k_steps / k_warps of every slot; summed at the end
 
     @property
     def block_n(self) -> int:
@@ -78,7 +83,7 @@ class TiledPlan:
 
     @property
     def threads(self) -> int:
-        return WARP * self.n_warps * self.m_warps
+        return WARP * self.n_warps * self.m_warps * self.k_warps
 
     @property
     def step_k(self) -> int:
@@ -93,7 +98,11 @@ class TiledPlan:
         return self.k_steps * (self.block_n * ROW_BYTES + self.block_m * ROW_BYTES * self.x_vectors)
 
     def shared_bytes(self) -> int:
-        return self.stages * self.stage_bytes()
+        return max(self.stages * self.stage_bytes(), self.reduce_bytes())
+
+    def reduce_bytes(self) -> int:
+        """The f32 accumulators of the warps along k past the first, summed through shared memory."""
+        return (self.k_warps - 1) * self.n_warps * self.m_warps * WARP * self.n_tiles * self.m_tiles * 4 * 4
 
     def knobs(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in TILED_KNOBS}
@@ -114,7 +123,9 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     vec, xvs, step_k = plan.vector, plan.x_vectors, plan.step_k
     bn_rows, bm_rows, threads, stages = plan.block_n, plan.block_m, plan.threads, plan.stages
     n_tiles, m_tiles, n_warps, m_warps = plan.n_tiles, plan.m_tiles, plan.n_warps, plan.m_warps
-    k_splits, k_steps = plan.k_splits, plan.k_steps
+    k_splits, k_steps, k_warps = plan.k_splits, plan.k_steps, plan.k_warps
+    tile_warps = n_warps * m_warps  # the warps of one k share; warp ty's k share is ty // tile_warps
+    n_acc = n_tiles * m_tiles * 4
     per_split = k // step_k // k_splits // k_steps  # slots' worth of k per split
     mps = vec // 4  # mmas per k step and tile pair
     w_chunks_row, x_chunks_row = 4 * k_steps, 4 * xvs * k_steps  # 16-byte chunks of a row per slot
@@ -222,7 +233,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
         for bm in T.thread_binding(T.ceildiv(m, bm_rows), thread="blockIdx.x"):
             for bn in T.thread_binding(n_blocks, thread="blockIdx.y"):
                 for ks in T.thread_binding(k_splits, thread="blockIdx.z"):
-                    for ty in T.thread_binding(n_warps * m_warps, thread="threadIdx.y"):
+                    for ty in T.thread_binding(tile_warps * k_warps, thread="threadIdx.y"):
                         for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                             with T.sblock("tiled"):
                                 T.reads()
@@ -240,9 +251,14 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                 af = T.sblock_alloc_buffer((n_tiles * mps * 8,), "bfloat16", scope="local")
                                 xl = T.sblock_alloc_buffer((8,), "bfloat16", scope="local")
                                 bf = T.sblock_alloc_buffer((8 * xvs,), "bfloat16", scope="local")
-                                acc = T.sblock_alloc_buffer((n_tiles * m_tiles * 4,), "float32", scope="local")
+                                acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                                red = T.decl_buffer((max(1, k_warps - 1), n_acc, tile_warps * WARP), "float32",
+                                                    data=smem.data, scope="shared.dyn")  # fmt: skip
                                 tid = T.meta_var(ty * WARP + tx)
-                                for i in T.unroll(n_tiles * m_tiles * 4):
+                                wn = T.meta_var(ty % tile_warps // m_warps)
+                                wm = T.meta_var(ty % m_warps)
+                                kw = T.meta_var(ty // tile_warps)
+                                for i in T.unroll(n_acc):
                                     acc[i] = T.float32(0)
                                 # weights are never written by a kernel: the first slots' weight copies are in
                                 # flight before the wait for the grid that writes x (dependent_launch.py); the
@@ -257,10 +273,23 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                     T.tvm_storage_sync("shared")
                                     load_w_stage(w, ws, bn, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
                                     load_x_stage(x, m, xs, bm, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
-                                    for sub in T.unroll(k_steps):
-                                        compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, ty // m_warps,
-                                                     ty % m_warps, tx // 4, tx % 4, kt % stages, sub)  # fmt: skip
-                                store(scale, y, part, m, acc, bm, bn, ks, ty // m_warps, ty % m_warps, tx // 4, tx % 4)
+                                    for sub in T.unroll(k_steps // k_warps):
+                                        compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, wn, wm, tx // 4, tx % 4,
+                                                     kt % stages, kw * (k_steps // k_warps) + sub)  # fmt: skip
+                                if k_warps > 1:
+                                    # the slots are free once every copy landed and every warp left its last one
+                                    T.evaluate(T.ptx["cp.async.wait_group"](0))
+                                    T.tvm_storage_sync("shared")
+                                    if kw > 0:
+                                        for i in T.unroll(n_acc):
+                                            red[kw - 1, i, ty % tile_warps * WARP + tx] = acc[i]
+                                    T.tvm_storage_sync("shared")
+                                    if kw == 0:
+                                        for j in T.unroll(k_warps - 1):
+                                            for i in T.unroll(n_acc):
+                                                acc[i] = acc[i] + red[j, i, ty * WARP + tx]
+                                if kw == 0:
+                                    store(scale, y, part, m, acc, bm, bn, ks, wn, wm, tx // 4, tx % 4)
         if k_splits > 1:
             merge(scale, y, part, m)
 

@@ -374,6 +374,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
         "gemm_rows": 0,  # one kernel for every m: neither tiled kernel
         "gemv_tiled_stages": 0,
         "gemv_tiled_k_steps": 0,
+        "gemv_tiled_k_warps": 0,
     }
     plan = fit_mma_plan(spec, target, kernel.knobs)
     cuda, launch = _lower(kernel, target)
@@ -524,17 +525,18 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
 
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
-def test_few_rows_of_a_bf16_weight_go_to_a_small_tiled_kernel(target):
-    """Calls of at most gemm_rows rows: bf16 weights stream through the small tiled kernel (one warp per 16
-    weight rows and 16 rows of x, slots in shared memory, no k split), FP8 weights through GEMV mode."""
+def test_few_rows_go_to_a_small_tiled_kernel(target):
+    """Calls of at most gemm_rows rows: all but wide FP8 weights stream through the small tiled kernel (16
+    weight rows and 16 rows of x per block, slots in shared memory, warps along k, no k split); wide FP8
+    weights through GEMV mode."""
     spec = LinearSpec("matmul", 6144, 4096)
     kernel = LinearMmaRule().apply(spec, target)
-    # qkv is narrow on the H200's 132 SMs (four slots of 8 k steps: its 768 blocks of 32 rows fit no
-    # wave), wide on GB10's 48 (four of 4)
-    slots = (4, 8) if target is SM90 else (4, 4)
-    assert (kernel.knobs["gemv_tiled_stages"], kernel.knobs["gemv_tiled_k_steps"]) == slots
+    # qkv is narrow on the H200's 132 SMs (four slots of 8 k steps, four warps along k: its 384 blocks fit
+    # one wave of those, not of three slots of 16), wide on GB10's 48 (four of 4, one warp)
+    slots = (4, 8, 4) if target is SM90 else (4, 4, 1)
+    assert tuple(kernel.knobs[k] for k in ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps")) == slots
     plan = small_tiled_plan(spec, target, kernel.knobs)
-    assert (plan.block_n, plan.block_m, plan.threads, plan.k_splits) == (16, 16, 32, 1)
+    assert (plan.block_n, plan.block_m, plan.threads, plan.k_splits) == (16, 16, 32 * slots[2], 1)
     assert plan.shared_bytes() == slots[0] * slots[1] * (16 + 16) * 64 <= target.max_shared_memory_per_block
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     func = cuda.functions[kernel.name]
@@ -542,33 +544,43 @@ def test_few_rows_of_a_bf16_weight_go_to_a_small_tiled_kernel(target):
     for m in (1, 7, 16, 32):
         assert func.launches({"m": m}) == [few], m
     assert func.launches({"m": 33}) == [gemm, *merge]
-    assert few.grid == ("((m + 15) // 16)", "384", "1") and few.block == ("32", "1", "1")
+    assert few.grid == ("((m + 15) // 16)", "384", "1") and few.block == ("32", str(slots[2]), "1")
     assert int(few.dynamic_smem) == plan.shared_bytes()
     assert len(func.workspaces) == len(merge)  # the big GEMM's k splits have one; the few-rows kernel none
     body = cuda.source[slice(*kernel_bodies(cuda.source)[few.name])]
     assert "(w_ptr + " not in body and "(x_ptr + " not in body  # both operands by async copies only
-    assert body.count(MMA_BF16) == 2 * 2 * plan.k_steps  # two x tiles, two mmas per 16-row tile and k step
+    # two x tiles, two mmas per 16-row tile and k step, each warp its share of a slot's k steps
+    assert body.count(MMA_BF16) == 2 * 2 * plan.k_steps // plan.k_warps
     assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
     assert_only_weights_before_the_wait(cuda.source, few.name)
-    # by shape: wide weights four slots of 4 k steps, k > 4096 and FP8 weights GEMV mode
+    if plan.k_warps > 1:
+        # the warps along k hand their sums over through the slots once every copy landed: two barriers
+        # more, and only the first warp stores
+        assert body.count("__syncthreads()") == 3 and body.count("wait_group_0()") == 1
+        assert body.count("y_ptr[") == 8 and body.rindex("if (((int)threadIdx.y) == 0)") < body.index("y_ptr[")
+    # by shape
     for other, chosen in [
-        (LinearSpec("matmul", 24576, 4096), (4, 4)),
-        (LinearSpec("lm_head", 151936, 4096), (4, 4)),
-        (LinearSpec("matmul", 4096, 4096), (3, 8) if target is SM90 else (4, 8)),  # 512 blocks of 32 rows
-        (LinearSpec("matmul", 4096, 12288), (0, 0)),
-        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (0, 0)),
-        (LinearSpec("lm_head", 151936, 4096, FP8), (0, 0)),
+        (LinearSpec("matmul", 24576, 4096), (4, 4, 1)),  # wide
+        (LinearSpec("lm_head", 151936, 4096), (4, 4, 1)),
+        # 256 blocks: three slots of 16 fit one wave of the H200, not of GB10
+        (LinearSpec("matmul", 4096, 4096), (3, 16, 8) if target is SM90 else (4, 8, 4)),
+        (LinearSpec("matmul", 4096, 12288), (3, 16, 8) if target is SM90 else (4, 8, 4)),
+        # 640 blocks fit no wave of the H200: the second; wide on GB10
+        (LinearSpec("matmul", 10240, 4096), (4, 8, 4) if target is SM90 else (4, 4, 1)),
+        (LinearSpec("matmul_fp8", 4096, 4096, FP8), (4, 4, 4)),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (4, 4, 4) if target is SM90 else (0, 0, 0)),
+        (LinearSpec("lm_head", 151936, 4096, FP8), (0, 0, 0)),  # wide FP8: GEMV mode
+        (LinearSpec("matmul", 200, 96), (3, 1, 1)),  # 3 k steps: slots of one, one warp
     ]:
         knobs = LinearMmaRule().apply(other, target).knobs
-        assert (knobs["gemv_tiled_stages"], knobs["gemv_tiled_k_steps"]) == chosen, other.name
-    # gemv_tiled_stages 0 gives bf16 weights GEMV mode too, and gemm_rows 0 leaves one kernel
+        used = (knobs["gemv_tiled_stages"], knobs["gemv_tiled_k_steps"], knobs["gemv_tiled_k_warps"])
+        assert used == chosen, other.name
+    # gemv_tiled_stages 0 gives GEMV mode too, and gemm_rows 0 leaves one kernel
     for knobs in ({"gemv_tiled_stages": 0}, {"gemm_rows": 0}):
         plain = LinearMmaRule().apply(spec, target, knobs)
         assert plain.knobs["gemv_tiled_stages"] == 0
         first = lower_to_cuda(tvm.IRModule({plain.name: plain.func}), target).functions[plain.name].kernels[0]
         assert first.grid == ("384", "1", "1") and first.block == ("32", "4", "1")
-    # the k steps per slot shrink to a power of two dividing k / 32: 3 k steps take slots of 1
-    assert LinearMmaRule().apply(LinearSpec("matmul", 200, 96), target).knobs["gemv_tiled_k_steps"] == 1
     # it shares the calls with the big GEMM and has no workspace: alone, or with a k split, it is refused
     gemv_plan = fit_mma_plan(spec, target, kernel.knobs)
     with pytest.raises(ScheduleError, match="one k split"):
@@ -576,10 +588,33 @@ def test_few_rows_of_a_bf16_weight_go_to_a_small_tiled_kernel(target):
 
 
 @pytest.mark.parametrize(
+    ("spec", "knobs", "used"),
+    [
+        (LinearSpec("matmul", 4096, 4096), {"gemv_tiled_k_steps": 16, "gemv_tiled_k_warps": 8}, (16, 8)),
+        (LinearSpec("matmul", 4096, 4096), {"gemv_tiled_k_steps": 8, "gemv_tiled_k_warps": 16}, (8, 8)),
+        (LinearSpec("matmul", 4096, 4096), {"gemv_tiled_k_steps": 8, "gemv_tiled_k_warps": 3}, (8, 2)),
+        (LinearSpec("matmul", 200, 96), {"gemv_tiled_k_steps": 8, "gemv_tiled_k_warps": 8}, (1, 1)),  # 3 k steps
+        (LinearSpec("matmul_fp8", 72, 128, FP8), {"gemv_tiled_k_steps": 4, "gemv_tiled_k_warps": 4}, (2, 2)),
+    ],
+)
+def test_warps_along_k_split_a_slot_evenly(spec, knobs, used):
+    """gemv_tiled_k_steps and gemv_tiled_k_warps are upper bounds: a slot takes the most k steps (a power of
+    two) that divide k, and as many warps (a power of two) as split them evenly."""
+    kernel = LinearMmaRule().apply(spec, SM90, {"gemv_tiled_stages": 3, **knobs})
+    assert (kernel.knobs["gemv_tiled_k_steps"], kernel.knobs["gemv_tiled_k_warps"]) == used
+    plan = small_tiled_plan(spec, SM90, kernel.knobs)
+    assert plan.threads == 32 * used[1] and plan.k_steps % plan.k_warps == 0
+    # the warps past the first hand their accumulators over through the slots: they fit there
+    assert plan.reduce_bytes() == (used[1] - 1) * 32 * 8 * 4 <= plan.stages * plan.stage_bytes()
+
+
+@pytest.mark.parametrize(
     ("knobs", "target", "message"),
     [
         ({"gemv_tiled_stages": 1}, SM90, "stages >= 2"),
-        ({"gemv_tiled_stages": 8}, SM120, "shared memory"),  # 8 x 16 KiB of 99
+        ({"gemv_tiled_stages": 8}, SM120, "lower gemv_tiled_stages or gemv_tiled_k_steps"),  # 8 x 16 KiB of 99
+        ({"gemv_tiled_stages": 2, "gemv_tiled_k_warps": 0}, SM90, "positive values"),
+        ({"gemv_tiled_stages": 2, "gemv_tiled_k_warps": 64}, SM90, "at most 32 warps"),
         ({"gemm_stages": 1}, SM90, "stages >= 2"),
         ({"gemm_n_warps": -1}, SM90, "positive values"),
         ({"gemm_n_warps": 8, "gemm_m_warps": 8}, SM90, "at most 32 warps"),
@@ -643,6 +678,9 @@ def test_gemm_mode_compiles_for_every_arch(target):
         # the tiled GEMM above gemm_rows: FP8 with k splits, and bf16 lm_head (f32 out) of one split
         rule.apply(LinearSpec("matmul_fp8", 4096, 12288, FP8, name="tiled_fp8"), target),
         rule.apply(LinearSpec("lm_head", 520, 256), target, {"gemm_n_warps": 1, "gemm_m_tiles": 4}),
+        # warps along k in the tiled GEMM and in the small kernel of an FP8 weight
+        rule.apply(LinearSpec("matmul", 200, 256, name="k_warps"), target, {"gemm_k_warps": 2, "gemm_k_steps": 4}),
+        rule.apply(LinearSpec("matmul_fp8", 72, 256, FP8, name="few_fp8"), target, {"gemv_tiled_k_warps": 4}),
     ]
     cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)
     assert cubin_arch(compile_cubin(cuda.source, target.arch)) == target.arch
