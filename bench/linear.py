@@ -152,7 +152,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.codegen import lower_to_cuda
     from dflash_compiler.nvrtc import compile_cubin
     from dflash_compiler.schedules.base import ScheduleError
-    from dflash_compiler.schedules.linear import FEW_ROWS_KNOBS, LinearGemvRule, LinearMmaRule
+    from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule, few_rows_knobs
     from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
     from dflash_compiler.targets import get_target
 
@@ -215,8 +215,7 @@ def build(args: argparse.Namespace) -> None:
                 add(name, spec, mma, FEW_ROWS)
                 add_variant(name, spec, "gemv", FEW_ROWS, {"gemv_tiled_stages": 0})
                 for values in FEW_VARIANTS:
-                    knobs = dict(zip(FEW_ROWS_KNOBS, values, strict=True))
-                    add_variant(name, spec, "s{}x{}k{}".format(*values), FEW_ROWS, knobs)
+                    add_variant(name, spec, "s{}x{}k{}".format(*values), FEW_ROWS, few_rows_knobs(*values))
         for op, n, k, wdtype in FEW_ODD:  # ragged n, rows past m, FP8 weights through the small tiled kernel
             add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few", (1, 7, 16, 32),
                         {"gemv_tiled_stages": 3}, False)  # fmt: skip

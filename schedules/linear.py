@@ -41,6 +41,11 @@ _OP_ATTR = "dflash.op"
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps")
 
 
+def few_rows_knobs(stages: int, k_steps: int, k_warps: int) -> dict[str, int]:
+    """The small tiled kernel's knobs by value (stages 0: GEMV mode)."""
+    return dict(zip(FEW_ROWS_KNOBS, (stages, k_steps, k_warps), strict=True))
+
+
 @dataclass(frozen=True)
 class LinearSpec(KernelSpec):
     """What one linear kernel computes: `op` (the graph op's name), output features `n`, reduction `k`."""
@@ -262,9 +267,7 @@ class LinearMmaRule(FamilyRule):
             # the tiled GEMM's shape (linear_tiled.py); 0: by the weight's shape (tiled_defaults)
             **{f"gemm_{name}": 0 for name in TILED_KNOBS},
             # calls of at most gemm_rows rows: GEMV mode (0) or the small tiled kernel; by the weight
-            "gemv_tiled_stages": 0,
-            "gemv_tiled_k_steps": 8,
-            "gemv_tiled_k_warps": 1,
+            **few_rows_knobs(0, 8, 1),
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -277,10 +280,7 @@ class LinearMmaRule(FamilyRule):
         chosen = self.knobs_for(spec, target, knobs)
         plan, gemm, small, func = self._func(spec, target, chosen)
         used = {f"gemm_{key}": value for key, value in gemm.knobs().items()} if gemm else {}
-        few = dict.fromkeys(FEW_ROWS_KNOBS, 0)
-        if small:
-            few = {"gemv_tiled_stages": small.stages, "gemv_tiled_k_steps": small.k_steps,
-                   "gemv_tiled_k_warps": small.k_warps}  # fmt: skip
+        few = few_rows_knobs(small.stages, small.k_steps, small.k_warps) if small else few_rows_knobs(0, 0, 0)
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
                       knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few}, spec=spec)  # fmt: skip
 
@@ -357,12 +357,12 @@ class LinearMmaRule(FamilyRule):
         """
         wide = wide_weight(spec, target)
         if wide:
-            return {} if spec.fp8 else {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4, "gemv_tiled_k_warps": 1}
+            return {} if spec.fp8 else few_rows_knobs(4, 4, 1)
         if spec.fp8:
-            return {"gemv_tiled_stages": 4, "gemv_tiled_k_steps": 4, "gemv_tiled_k_warps": 4}
+            return few_rows_knobs(4, 4, 4)
         blocks = -(-spec.n // MMA_ROWS)
-        for stages, k_steps, k_warps in ((3, 16, 8), (4, 8, 4)):
-            knobs = {"gemv_tiled_stages": stages, "gemv_tiled_k_steps": k_steps, "gemv_tiled_k_warps": k_warps}
+        for candidate in ((3, 16, 8), (4, 8, 4)):
+            knobs = few_rows_knobs(*candidate)
             plan = small_tiled_plan(spec, target, knobs)
             if target.shared_memory_per_sm // plan.shared_bytes() * target.sm_count >= blocks:
                 break
