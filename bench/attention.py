@@ -10,7 +10,7 @@ Cases: 1 and 8 sequences with up to 4096 + 16 cached rows each (the first one fu
 lengths), and 3 sequences of at most 80 rows (empty splits, chunks cut by the split's end).
 
 `--variant` instead builds the Qwen3-8B drafter's attention once per knob set, each kernel named after its
-knobs, at 1, 3, 8 and 16 sequences, to compare schedules in one run:
+knobs, at 1, 3, 8 and 16 sequences and at three lengths of one sequence, to compare schedules in one run:
 
     python bench/attention.py -o build/attn_knobs --variant splits=16 --variant splits=16,slots=528
 """
@@ -38,6 +38,8 @@ VARIANTS = (
 )
 # (label, nb, pages per sequence)
 SIZES = (("long nb=1", 1, 258), ("short nb=3", 3, 5), ("long nb=8", 8, 258))
+# --variant adds: 16 sequences, and one sequence at shorter lengths (what a length costs, what is fixed)
+VARIANT_SIZES = (("long nb=16", 16, 258), ("nb=1 1k", 1, 66), ("nb=1 256", 1, 18))
 
 
 def main() -> int:
@@ -71,7 +73,7 @@ def main() -> int:
                 raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")
             name = f"{spec.name}__" + "_".join(f"{k}{v}" for k, v in sorted(knobs.items()))
             kernels.append(replace(kernel, name=name, func=kernel.func.with_attr("global_symbol", name)))
-            for label, nb, maxp in (*SIZES, ("long nb=16", 16, 258)):
+            for label, nb, maxp in (*SIZES, *VARIANT_SIZES):
                 sizes = {"m": nb * spec.block, "pages": nb * maxp + 1, "nb": nb, "maxp": maxp}
                 cases.append(CheckCase(name, sizes, label))
     for block, heads, kv_heads, dim, causal, window in () if args.variant else VARIANTS:

@@ -25,7 +25,8 @@ named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k
 alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness
 cases of odd shapes. `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows:
 the default (the small tiled kernel for bf16 weights), GEMV mode, and variants named
-`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>`:
+`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>` (`--few-variant S,K,W`, repeated,
+picks them; `--shapes` the weights):
 
     python bench/linear.py build --gemm -o build/linear_gemm
     PYTHONPATH=. python bench/linear.py run build/linear_gemm --json build/linear_gemm/results.json
@@ -131,7 +132,7 @@ GEMM_ODD_ROWS = (33, 70, 130, 300)
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 FEW_ROWS = (1, 8, 16, 32)
-# (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps)
+# (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps); --few-variant replaces them
 FEW_VARIANTS = ((4, 8, 1), (3, 8, 1), (4, 4, 1), (4, 8, 4), (4, 4, 4), (3, 16, 8), (3, 16, 4), (2, 16, 4))
 FEW_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8", 72, 128, FP8))
 KNOB_NAMES = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
@@ -139,6 +140,17 @@ FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
 
 
 # ------------------------------------------------------------------------------------------ build side
+
+
+def _knob_values(text: str) -> tuple[int, ...]:
+    """`--few-variant S,K,W`: (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(f"expected three comma-separated integers such as 3,16,8, found {text!r}")
+    return values
 
 
 def _spec_fields(spec: LinearSpec) -> dict[str, Any]:
@@ -214,7 +226,7 @@ def build(args: argparse.Namespace) -> None:
                 name, spec = linear(label, wdtype)
                 add(name, spec, mma, FEW_ROWS)
                 add_variant(name, spec, "gemv", FEW_ROWS, {"gemv_tiled_stages": 0})
-                for values in FEW_VARIANTS:
+                for values in args.few_variant or FEW_VARIANTS:
                     add_variant(name, spec, "s{}x{}k{}".format(*values), FEW_ROWS, few_rows_knobs(*values))
         for op, n, k, wdtype in FEW_ODD:  # ragged n, rows past m, FP8 weights through the small tiled kernel
             add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few", (1, 7, 16, 32),
@@ -486,10 +498,25 @@ def main() -> int:
     b.add_argument("--small", action="store_true", help="add warps/unroll variants of the block-row layers")
     b.add_argument("--fp8", action="store_true", help="add knob variants of the FP8-weight linears at 16-32 rows")
     b.add_argument("--gemm", action="store_true", help="only the tiled GEMM's variants vs GEMV mode at 16-256 rows")
-    b.add_argument("--few-rows", action="store_true",
-                   help="only the kernel for calls of at most gemm_rows rows: small tiled vs GEMV mode at 1-32 rows")
-    b.add_argument("--shapes", nargs="*", choices=FEW_SHAPES, default=(),
-                   help="with --few-rows: only these weights (default: all of them)")
+    b.add_argument(
+        "--few-rows",
+        action="store_true",
+        help="only the kernel for calls of at most gemm_rows rows: small tiled vs GEMV mode at 1-32 rows",
+    )
+    b.add_argument(
+        "--shapes",
+        nargs="*",
+        choices=FEW_SHAPES,
+        default=(),
+        help="with --few-rows: only these weights (default: all of them)",
+    )
+    b.add_argument(
+        "--few-variant",
+        action="append",
+        type=_knob_values,
+        metavar="S,K,W",
+        help="with --few-rows: a (stages, k_steps, k_warps) variant instead of the built-in ones",
+    )
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
     r.add_argument("bundle")

@@ -5,7 +5,7 @@ context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-
 
     # build box (TVM, no GPU): the sm_90 artifacts (bf16 and FP8, each also with dependent launches),
     # kernels and plans only
-    python bench/propose.py build -o build/propose
+    python bench/propose.py build -o build/propose [--variants bf16 fp8]
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
@@ -62,6 +62,8 @@ def build(args: argparse.Namespace) -> None:
 
     cfg = load_drafter_config(example_config_path(EXAMPLE))
     for variant, precision, dependent in VARIANTS:
+        if variant not in args.variants:
+            continue
         options = BuildOptions(
             max_batch=max(BATCHES),
             max_seq_len=CACHED + 64,
@@ -404,6 +406,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build box: the bf16 and FP8 sm_90 artifacts")
     b.add_argument("-o", "--out", required=True)
+    b.add_argument("--variants", nargs="*", default=[v for v, _, _ in VARIANTS], choices=[v for v, _, _ in VARIANTS])
     r = sub.add_parser("run", help="GPU box: pack, fill the caches, measure")
     r.add_argument("bundle")
     r.add_argument("--variants", nargs="*", default=[v for v, _, _ in VARIANTS], choices=[v for v, _, _ in VARIANTS])

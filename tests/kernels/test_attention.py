@@ -18,6 +18,7 @@ import pytest
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.attention import (
+    MERGE_ELEMENTS,
     AttentionLayout,
     AttentionRule,
     BlockAttentionSpec,
@@ -103,6 +104,18 @@ def test_corner_cases_of_lengths_and_windows():
     layout = AttentionLayout(threads=32, chunk=4, splits=5)
     arrays = spec.sample(np.random.default_rng(5), _sizes(spec, 3, 8))
     arrays["cache_lens"] = np.array([0, 128, 37], np.int32)
+    arrays["blk_positions"] = (arrays["cache_lens"][:, None] + np.arange(8)).reshape(-1).astype(np.int32)
+    got = {"out": _run(spec, layout, arrays)}
+    assert not mismatches(spec, got, spec.reference(arrays))
+
+
+def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
+    """20 splits merge in a pass of 16 and a pass of 4 (loads clamped to the last split, the guard on the
+    values): the sequences use all 20 splits (240 keys, 12 per split), 5 (none of the second pass) and 17."""
+    spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
+    layout = AttentionLayout(threads=32, chunk=4, splits=20)
+    arrays = spec.sample(np.random.default_rng(7), _sizes(spec, 3, 16))
+    arrays["cache_lens"] = np.array([232, 9, 60], np.int32)
     arrays["blk_positions"] = (arrays["cache_lens"][:, None] + np.arange(8)).reshape(-1).astype(np.int32)
     got = {"out": _run(spec, layout, arrays)}
     assert not mismatches(spec, got, spec.reference(arrays))
@@ -285,7 +298,8 @@ def test_two_kernels_with_workspaces_and_sane_launches(lowered, target):
         grid, block, smem = merge.launch_dims(env)
         per_block, merge_threads = merge_blocking(spec)
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (merge_threads, 1, 1)
-        assert merge_threads == per_block * spec.head_dim // 4 and smem <= target.max_static_shared_memory_per_block
+        assert merge_threads == per_block * spec.head_dim // MERGE_ELEMENTS
+        assert smem <= target.max_static_shared_memory_per_block
         assert {p.source for p in split.params if p.kind == "ptr"} >= {"q", "k", "v", "kv", "part_o", "part_ml"}
         assert {p.source for p in merge.params if p.kind == "ptr"} >= {"out", "part_o", "part_ml"}
 
