@@ -110,8 +110,8 @@ def test_corner_cases_of_lengths_and_windows():
 
 
 def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
-    """20 splits merge in a pass of 16 and a pass of 4 (loads clamped to the last split, the guard on the
-    values): the sequences use all 20 splits (240 keys, 12 per split), 5 (none of the second pass) and 17."""
+    """20 splits merge in a pass of 16 and a pass of 4 (loads clamped to the last used split, the guard on
+    the values): the sequences use all 20 splits (240 keys, 12 per split), 5 (none of the second pass) and 17."""
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
     layout = AttentionLayout(threads=32, chunk=4, splits=20)
     arrays = spec.sample(np.random.default_rng(7), _sizes(spec, 3, 16))
