@@ -21,10 +21,11 @@ drains. `--sweep` adds knob variants of the big shapes to pick per-target defaul
 `<kernel>__w<warps>r<row_tiles>u<unroll>m<m_tile>s<stages>` (plus `x<x_stages>n<n_warps>` in GEMM mode); `--small`
 and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one or two draft blocks. `--gemm`
 builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tiled.py), default and variants
-named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>`, against GEMV mode
-alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness
-cases of odd shapes. `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows:
-the default (the small tiled kernel for bf16 weights), GEMV mode, and variants named
+named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>[w<k_warps>]`
+(`--gemm-variant`, repeated, picks them; `--shapes` the weights), against GEMV mode alone and linear_mma's
+x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness cases of odd shapes.
+`--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows: the default (the small
+tiled kernel for bf16 weights), GEMV mode, and variants named
 `<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>` (`--few-variant S,K,W`, repeated,
 picks them; `--shapes` the weights):
 
@@ -142,15 +143,21 @@ FILES = ("kernels.cubin", "kernels.cu", "table.json", "entries.json")
 # ------------------------------------------------------------------------------------------ build side
 
 
-def _knob_values(text: str) -> tuple[int, ...]:
-    """`--few-variant S,K,W`: (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps)."""
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 3:
-        raise argparse.ArgumentTypeError(f"expected three comma-separated integers such as 3,16,8, found {text!r}")
-    return values
+def _knob_values(counts: tuple[int, ...], example: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers, as many as one of `counts`."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) not in counts:
+            raise argparse.ArgumentTypeError(
+                f"expected {' or '.join(map(str, counts))} comma-separated integers such as {example}, found {text!r}"
+            )
+        return values
+
+    return parse
 
 
 def _spec_fields(spec: LinearSpec) -> dict[str, Any]:
@@ -207,16 +214,17 @@ def build(args: argparse.Namespace) -> None:
                   timed: bool = True) -> None:  # fmt: skip
         for values in variants:
             knobs = {"gemm_rows": 32, **{f"gemm_{key}": v for key, v in zip(TILED_KNOBS, values, strict=False)}}
-            add_variant(label, spec, "t{}x{}t{}x{}s{}k{}x{}".format(*values), rows, knobs, timed)
+            tag = "t{}x{}t{}x{}s{}k{}x{}".format(*values) + ("w{}".format(*values[7:]) if len(values) > 7 else "")
+            add_variant(label, spec, tag, rows, knobs, timed)
 
     if args.gemm:
-        for label in GEMM_SHAPES:
+        for label in args.shapes or GEMM_SHAPES:
             for wdtype in (BF16, FP8):
                 name, spec = linear(label, wdtype)
                 add(name, spec, mma, GEMM_ROWS)
                 add_variant(name, spec, "gemv", GEMM_ROWS[1:], {"gemm_rows": 0})
                 add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
-                add_tiled(name, spec, TILED_VARIANTS, GEMM_ROWS[1:])
+                add_tiled(name, spec, args.gemm_variant or TILED_VARIANTS, GEMM_ROWS[1:])
         for op, n, k, wdtype in GEMM_ODD:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
         shapes, odd = (), ()
@@ -508,14 +516,21 @@ def main() -> int:
         nargs="*",
         choices=FEW_SHAPES,
         default=(),
-        help="with --few-rows: only these weights (default: all of them)",
+        help="with --few-rows or --gemm: only these weights (default: all of them)",
     )
     b.add_argument(
         "--few-variant",
         action="append",
-        type=_knob_values,
+        type=_knob_values((3,), "3,16,8"),
         metavar="S,K,W",
         help="with --few-rows: a (stages, k_steps, k_warps) variant instead of the built-in ones",
+    )
+    b.add_argument(
+        "--gemm-variant",
+        action="append",
+        type=_knob_values((7, 8), "2,2,4,8,4,1,1"),
+        metavar="NW,MW,NT,MT,S,KS,KST[,KW]",
+        help="with --gemm: a tiled GEMM variant (gemm_ knobs in TILED_KNOBS order) instead of the built-in ones",
     )
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")
