@@ -73,6 +73,13 @@ def _llvm(spec: BlockAttentionSpec, layout: AttentionLayout):
     return tvm.compile(attention_func(spec, layout, device=False), target=tvm.target.Target({"kind": "llvm"}))
 
 
+def _with_lengths(spec: BlockAttentionSpec, arrays: dict[str, np.ndarray], lens: list[int]) -> dict[str, np.ndarray]:
+    """`arrays` with these cached lengths and each sequence's block right after its cached rows."""
+    arrays["cache_lens"] = np.array(lens, np.int32)
+    arrays["blk_positions"] = (arrays["cache_lens"][:, None] + np.arange(spec.block)).reshape(-1).astype(np.int32)
+    return arrays
+
+
 def _run(spec: BlockAttentionSpec, layout: AttentionLayout, arrays: dict[str, np.ndarray]) -> np.ndarray:
     dev = tvm.cpu()
     tensors = {p.name: tvm.runtime.tensor(np.ascontiguousarray(arrays[p.name]), dev) for p in spec.params()}
@@ -101,11 +108,8 @@ def test_gpu_layouts_compute_the_same_on_cpu(target, spec, nb, maxp):
 def test_corner_cases_of_lengths_and_windows():
     """Empty caches, a window narrower than the block, and a sequence whose window hides all cached rows."""
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False, window=3)
-    layout = AttentionLayout(threads=32, chunk=4, splits=5)
-    arrays = spec.sample(np.random.default_rng(5), _sizes(spec, 3, 8))
-    arrays["cache_lens"] = np.array([0, 128, 37], np.int32)
-    arrays["blk_positions"] = (arrays["cache_lens"][:, None] + np.arange(8)).reshape(-1).astype(np.int32)
-    got = {"out": _run(spec, layout, arrays)}
+    arrays = _with_lengths(spec, spec.sample(np.random.default_rng(5), _sizes(spec, 3, 8)), [0, 128, 37])
+    got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=5), arrays)}
     assert not mismatches(spec, got, spec.reference(arrays))
 
 
@@ -113,11 +117,8 @@ def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
     """20 splits merge in a pass of 16 and a pass of 4 (loads clamped to the last used split, the guard on
     the values): the sequences use all 20 splits (240 keys, 12 per split), 5 (none of the second pass) and 17."""
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
-    layout = AttentionLayout(threads=32, chunk=4, splits=20)
-    arrays = spec.sample(np.random.default_rng(7), _sizes(spec, 3, 16))
-    arrays["cache_lens"] = np.array([232, 9, 60], np.int32)
-    arrays["blk_positions"] = (arrays["cache_lens"][:, None] + np.arange(8)).reshape(-1).astype(np.int32)
-    got = {"out": _run(spec, layout, arrays)}
+    arrays = _with_lengths(spec, spec.sample(np.random.default_rng(7), _sizes(spec, 3, 16)), [232, 9, 60])
+    got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=20), arrays)}
     assert not mismatches(spec, got, spec.reference(arrays))
 
 
