@@ -48,6 +48,7 @@ VARIANTS = (
     ("bf16-dependent", "bf16", True),
     ("fp8-dependent", "fp8", True),
 )
+VARIANT_NAMES = tuple(name for name, _, _ in VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------ build box
@@ -406,10 +407,10 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build box: the bf16 and FP8 sm_90 artifacts")
     b.add_argument("-o", "--out", required=True)
-    b.add_argument("--variants", nargs="*", default=[v for v, _, _ in VARIANTS], choices=[v for v, _, _ in VARIANTS])
+    b.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r = sub.add_parser("run", help="GPU box: pack, fill the caches, measure")
     r.add_argument("bundle")
-    r.add_argument("--variants", nargs="*", default=[v for v, _, _ in VARIANTS], choices=[v for v, _, _ in VARIANTS])
+    r.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     r.add_argument("--json")
     args = parser.parse_args()
