@@ -97,8 +97,9 @@ def _fill(drafter: Any, nb: int, width: int, rng: np.random.Generator) -> None:
             drafter.append_context([seq], [taps], [np.arange(start, start + rows)])
 
 
-def _ours(drafter: Any, nb: int, rng: np.random.Generator) -> dict[str, Any]:
-    """GPU time of one step (append graph + propose graph), median of REPEATS, and a per-call breakdown."""
+def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = False) -> dict[str, Any]:
+    """GPU time of one step (append graph + propose graph), median of REPEATS, a per-call breakdown and, with
+    `timeline`, when each kernel of one replayed step ran (`_timeline`)."""
     from dflash_compiler.runtime.cuda import EventTimer
     from dflash_compiler.runtime.steps import context_step, propose_step
 
@@ -130,11 +131,13 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator) -> dict[str, Any]:
             append.run_graph(dims_a, drafter.stream)
             propose.run_graph(dims_p, drafter.stream)
         samples.append(timer.elapsed_ms())
-    breakdown = _breakdown(drafter, [(append, dims_a), (propose, dims_p)])
+    phases = [(append, dims_a), (propose, dims_p)]
+    breakdown = _breakdown(drafter, phases)
     return {
         "ms": statistics.median(samples),
         "samples": samples,
         "breakdown": breakdown,
+        "timeline": _timeline(drafter, phases) if timeline else None,
         "anchors": propose.read_value("anchors", dims_p, np.int32, drafter.stream),
     }
 
@@ -176,6 +179,56 @@ def _breakdown(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[t
         check(cu.cuEventDestroy(event), "cuEventDestroy")
     check(cu.cuMemFreeHost(host), "cuMemFreeHost")
     return [(node, kernel, statistics.median(t)) for (node, kernel), t in zip(labels, per, strict=True)]
+
+
+def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[dict[str, Any]]:
+    """When each kernel of one step ran, as the graphs replay it: (node, kernel, start, end) in µs from the
+    step's first kernel, from the CUDA profiler's kernel records (torch.profiler, i.e. CUPTI), of the last of
+    three replayed steps. Unlike `_breakdown`, nothing separates the kernels, so under dependent launch a
+    kernel starts before the one before it ends; `end - previous end` is what the kernel adds to the step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    labels = [(p.node, p.launch.name) for phase, dims in phases for p in phase.prepared(dims)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            for phase, dims in phases:
+                phase.run_graph(dims, drafter.stream)
+        drafter.stream.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        records = json.loads(trace.read_text())["traceEvents"]
+    torch.cuda.synchronize()
+    kernels = sorted((e for e in records if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    if len(kernels) < 3 * len(labels):
+        raise RuntimeError(
+            f"the profiler recorded {len(kernels)} kernels of 3 steps of {len(labels)} launches each; expected all "
+            "of them (CUPTI kernel tracing of the graphs' kernel nodes)"
+        )
+    last = kernels[-len(labels) :]
+    names = [e["name"] for e in last]
+    if names != [kernel for _, kernel in labels]:
+        raise RuntimeError(f"the profiled kernels {names[:4]}... are not the step's launches in order")
+    t0 = float(last[0]["ts"])
+    return [
+        {"node": node, "kernel": kernel, "start": float(e["ts"]) - t0, "end": float(e["ts"]) + float(e["dur"]) - t0}
+        for (node, kernel), e in zip(labels, last, strict=True)
+    ]
+
+
+def _print_timeline(timeline: list[dict[str, Any]]) -> None:
+    """The step's span, its kernels' busy time and idle gaps, and the kernels that add the most to it."""
+    busy = sum(e["end"] - e["start"] for e in timeline)
+    added: dict[str, float] = {}
+    idle = prev_end = 0.0
+    for e in timeline:
+        idle += max(0.0, e["start"] - prev_end)
+        added[e["kernel"]] = added.get(e["kernel"], 0.0) + e["end"] - prev_end
+        prev_end = e["end"]
+    print(f"    timeline: span {prev_end:.1f} µs, kernels busy {busy:.1f} µs, idle between kernels {idle:.1f} µs")
+    for kernel, t in sorted(added.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"      {kernel:48s} adds {t:8.1f} µs")
 
 
 def _bf16() -> Any:
@@ -353,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
         for nb in BATCHES:
             rng = np.random.default_rng(nb)
             _fill(drafter, nb, int(drafter.phases["append_context"].plan.values["taps"].shape[1]), rng)
-            ours = _ours(drafter, nb, rng)
+            ours = _ours(drafter, nb, rng, timeline=nb in args.timeline)
             nbytes = _step_bytes(drafter.manifest, nb)
             roof_ms = nbytes / bandwidth * 1e3
             if torch_here:
@@ -384,6 +437,7 @@ def run(args: argparse.Namespace) -> int:
                     "x_roofline": ours["ms"] / roof_ms,
                     "ratio_to_torch": ratio,
                     "breakdown": ours["breakdown"],
+                    "timeline": ours["timeline"],
                 }
             )
             if nb in (1, max(BATCHES)):
@@ -394,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
                     by_kernel[kernel] = by_kernel.get(kernel, 0.0) + t
                 for kernel, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
                     print(f"      {kernel:48s} {t:9.1f} µs  {100 * t / total:5.1f}%")
+            if ours["timeline"]:
+                _print_timeline(ours["timeline"])
             for seq in range(nb):
                 drafter.free(seq)
         drafter.close()
@@ -412,6 +468,15 @@ def main() -> int:
     r.add_argument("bundle")
     r.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    r.add_argument(
+        "--timeline",
+        nargs="*",
+        type=int,
+        default=[],
+        choices=BATCHES,
+        metavar="NB",
+        help="also record when each kernel ran in one replayed step at these nb (torch.profiler)",
+    )
     r.add_argument("--json")
     args = parser.parse_args()
     if args.command == "build":
