@@ -8,18 +8,41 @@ writes are visible), and only then read what it produced. A kernel may issue loa
 writes (weights) before the wait, so its first weight bytes are in flight while the previous grid's tail
 drains.
 
-`add_dependent_launch` makes every kernel of a CUDA source safe to launch that way: unless the kernel's own
-schedule calls it, `dflash_wait_for_inputs()` is the first thing every thread does. It runs
-`griddepcontrol.wait` and then `griddepcontrol.launch_dependents`, so the kernel after this one is let in
-only once this one is past its wait: at most one grid at a time sits resident waiting, instead of a cascade
-of waiting grids holding registers and shared memory that the running one's later waves need. The
-tensor-core GEMV calls it itself, after it has prefetched its first weight batches into L2
-(`dflash_prefetch_l2`); weights are never written by a kernel. A kernel launched without the attribute has
-no prerequisite grid, and both instructions do nothing there, so the same cubin serves plain launches.
+`add_dependent_launch` makes every kernel of a CUDA source safe to launch that way. Two calls split the
+protocol: `dflash_wait_for_inputs()` (`griddepcontrol.wait`) and `dflash_launch_dependents()`
+(`griddepcontrol.launch_dependents`, which lets the next grid in once every block of this one has called it
+or exited). A kernel whose schedule does not call the wait itself gets both, first thing: it is short (a
+norm, an elementwise op, a merge), and the kernel after it, usually a weight stream, starts its weight
+loads while it runs. A kernel whose schedule calls the wait itself also places its trigger, or has none, so
+that its dependents come in only as its blocks exit:
 
-Every kernel waits, unconditionally and before it exits, so a grid completes only after its predecessor
-did, and a kernel that reads the output of any earlier kernel of the chain reads it complete. The runtime
-launches with the attribute only when the artifact's options ask for it (`BuildOptions.dependent_launch`).
+* the tensor-core linears issue their first weight loads (`dflash_prefetch_l2`, or `cp.async` into their
+  shared-memory slots) before the wait, since weights are never written by a kernel, and the tiled ones
+  trigger once they have issued their last weight loads: the next grid arrives for the stream's tail only;
+* the attention split kernels wait first and never trigger.
+
+Measured on the H200 (`bench/propose.py --timeline`, Qwen3-8B drafter, bf16; ms at nb = 1 / 4 / 8 / 16,
+against plain launches in the same run):
+
+* every kernel triggering right after its wait: 1.109 / 2.104 / 2.551 / 4.234 against 1.099 / 2.025 /
+  2.415 / 4.273; the attention split kernel took 29 µs instead of 19 at nb = 1 and the tiled GEMMs 30-37
+  µs instead of 23 at nb = 4-8;
+* no kernel triggering (every grid comes in as the blocks before it exit): 1.086 / 1.980 / 2.370 / 4.280
+  against 1.104 / 2.027 / 2.432 / 4.273; no kernel slower, but no weight stream starts early either;
+* short kernels triggering first thing and long ones late or never, as here: the attention and the tiled
+  GEMMs were still as slow, with nothing waiting beside them; their blocks had piled up on the SMs the
+  kernel before left free first (runtime/placement.py);
+* the same with such grids spread over the SMs (runtime/placement.py): 1.061 / 1.972 / 2.396 / 4.293
+  against 1.097 / 1.987 / 2.428 / 4.266.
+
+The long kernels keep their late trigger, so that no grid holds warps, registers and shared memory beside
+them for their whole run; what an early one would cost them once grids are spread is not measured.
+
+A kernel launched without the attribute has no prerequisite grid, and both instructions do nothing there,
+so the same cubin serves plain launches. Every kernel waits, unconditionally and before it exits, so a grid
+completes only after its predecessor did, and a kernel that reads the output of any earlier kernel of the
+chain reads it complete. The runtime launches with the attribute only when the artifact's options ask for
+it (`BuildOptions.dependent_launch`).
 """
 
 from __future__ import annotations
@@ -29,12 +52,13 @@ import re
 from dflash_compiler.errors import DFlashError
 
 WAIT = "dflash_wait_for_inputs"
+LAUNCH_DEPENDENTS = "dflash_launch_dependents"
 PREFETCH_L2 = "dflash_prefetch_l2"
 
 PRELUDE = f"""\
 // programmatic dependent launch (dflash_compiler.dependent_launch): no-ops for a plain launch
-__device__ __forceinline__ void {WAIT}() {{
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+__device__ __forceinline__ void {WAIT}() {{ asm volatile("griddepcontrol.wait;" ::: "memory"); }}
+__device__ __forceinline__ void {LAUNCH_DEPENDENTS}() {{
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }}
 __device__ __forceinline__ void {PREFETCH_L2}(const void* p) {{ asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }}
@@ -66,19 +90,27 @@ def kernel_bodies(source: str) -> dict[str, tuple[int, int]]:
 
 
 def add_dependent_launch(source: str) -> str:
-    """`source` with the prelude and, first in every `extern "C" __global__` kernel that does not call it
-    itself, the wait (see above).
+    """`source` with the prelude and, first in every `extern "C" __global__` kernel that does not call the
+    wait itself, the wait and the trigger (see above).
 
-    Raises when the source has no kernel definition or already has the prelude.
+    Raises when the source has no kernel definition or already has the prelude, and when a kernel triggers
+    its dependents without waiting first (a cascade of grids could then sit resident, waiting).
     """
     if PRELUDE in source:
         raise DependentLaunchError("add_dependent_launch: the source already has the dependent-launch prelude")
-    bodies = sorted(kernel_bodies(source).values())
+    bodies = sorted(kernel_bodies(source).items(), key=lambda kv: kv[1])
     if not bodies:
         raise DependentLaunchError("add_dependent_launch: no 'extern \"C\" __global__' kernel definition found")
     out, pos = [PRELUDE], 0
-    for start, end in bodies:
-        call = "" if f"{WAIT}()" in source[start:end] else f"\n  {WAIT}();"
+    for name, (start, end) in bodies:
+        body = source[start:end]
+        trigger = body.find(f"{LAUNCH_DEPENDENTS}()")
+        if trigger >= 0 and not 0 <= body.find(f"{WAIT}()") < trigger:
+            raise DependentLaunchError(
+                f"kernel {name} calls {LAUNCH_DEPENDENTS}() before any {WAIT}(); expected its schedule to wait "
+                "for its inputs first"
+            )
+        call = "" if f"{WAIT}()" in body else f"\n  {WAIT}();\n  {LAUNCH_DEPENDENTS}();"
         out.append(source[pos:start] + call)
         pos = start
     out.append(source[pos:])

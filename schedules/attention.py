@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_compiler.dependent_launch import WAIT
 from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
@@ -600,6 +601,8 @@ def attention_func(spec: BlockAttentionSpec, layout: AttentionLayout, device: bo
                         k_at = T.sblock_alloc_buffer((nt, tk), "int32", scope=local)
                         k_in = T.sblock_alloc_buffer((nt, tk), "int32", scope=local)
 
+                        if device:  # waits first and never triggers: see dependent_launch.py
+                            T.evaluate(T.call_extern("void", WAIT))
                         n: T.let[T.int32] = cache_lens[s]
                         # span[0] = first visible key, [1] = keys per split; then [0] = this split's start, [2] =
                         # its end, [3] = its chunk count. (A buffer, not lets: TVM refuses loads of allocated

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_compiler.dependent_launch import WAIT
 from dflash_compiler.targets import Target
 
 from .attention import (
@@ -276,6 +277,9 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
 
                                 gq = T.meta_var(lane // 4)
                                 tq = T.meta_var(lane % 4)
+                                # waits first and never triggers: its dependents, launched early, would sit
+                                # resident beside it for its whole run (dependent_launch.py)
+                                T.evaluate(T.call_extern("void", WAIT))
                                 n: T.let[T.int32] = cache_lens[s]
                                 split_span(span, s, n, blk_positions, nb)
                                 span[0] = span[0] + p * span[1]

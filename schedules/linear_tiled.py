@@ -31,7 +31,8 @@ every slot, and with one or two blocks per SM that chain, not the bytes in fligh
 Weight rows past n read row n - 1 and rows of x past m are zero-filled (ignore-src); neither is stored.
 x tiles that lie wholly past m skip their mmas (warp-uniform). The first slots' weight copies are issued
 before the wait for the grid that writes x (programmatic dependent launch, dependent_launch.py) and their
-x copies after it.
+x copies after it; once a block has issued its last weight copies it lets the next grid in, which so
+arrives for the stream's tail rather than sitting resident beside the whole stream.
 
 The grid is (m tiles, n tiles, k splits): the m tiles of one weight tile are neighbours in launch order, so
 the weight crosses from DRAM once and the other m tiles read it from L2. With `k_splits > 1` the k steps
@@ -45,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_compiler.dependent_launch import WAIT
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 
 from .mma import a_fragments_macro, mma_m16n8k16
 
@@ -273,6 +274,8 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                     T.tvm_storage_sync("shared")
                                     load_w_stage(w, ws, bn, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
                                     load_x_stage(x, m, xs, bm, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
+                                    if kt == max(per_split - stages, 0):  # the last weight copies are out
+                                        T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
                                     for sub in T.unroll(k_steps // k_warps):
                                         compute_step(m, ws, xs, wl, af, xl, bf, acc, bm, wn, wm, tx // 4, tx % 4,
                                                      kt % stages, kw * (k_steps // k_warps) + sub)  # fmt: skip

@@ -8,6 +8,7 @@ over the symbolic sizes. Nothing here imports TVM or torch; numpy is only used f
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -150,12 +151,16 @@ class Module:
 
     With `dependent_launch`, every launch carries the programmatic-stream-serialization attribute: the
     kernel may start before the previous kernel on the stream has finished, which is safe only for kernels
-    that wait for their inputs (`dflash_compiler.dependent_launch`; every kernel the compiler emits does).
+    that wait for their inputs (`dflash_compiler.dependent_launch`; every kernel the compiler emits does),
+    and a grid of one wave or less claims the shared memory that spreads it over the SMs (`placement.py`).
     """
 
     def __init__(self, cubin: bytes, dependent_launch: bool = False) -> None:
         self.dependent_launch = dependent_launch
         self._launch_attrs = [_dependent_attribute()] if dependent_launch else []
+        # a dependent grid of one wave or less is spread over the SMs (placement.py)
+        self._sm = _sm_limits() if dependent_launch else None
+        self._spread: dict[tuple[str, int, int, int], int] = {}
         self._image = np.frombuffer(cubin, np.uint8).copy()  # the driver reads it during load only; keep it anyway
         self.handle = check(_driver().cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self._functions: dict[str, Any] = {}
@@ -186,10 +191,9 @@ class Module:
         if 0 in grid:
             return  # nothing to do for zero rows
         func = self.function(launch.name)
-        if smem > _STATIC_SMEM_LIMIT and self._smem_raised.get(launch.name, 0) < smem:
-            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(cu.cuFuncSetAttribute(func, attr, smem), f"cuFuncSetAttribute({launch.name}, {smem} B)")
-            self._smem_raised[launch.name] = smem
+        self._allow_shared(func, launch.name, smem)
+        if self.dependent_launch:
+            smem = self._spread_shared(func, launch.name, math.prod(grid), math.prod(block), smem)
         what = f"launch of {launch.name} (grid {grid}, block {block}, smem {smem})"
         if not self.dependent_launch:
             check(cu.cuLaunchKernel(func, *grid, *block, smem, stream, ctypes.addressof(argv), 0), what)
@@ -202,6 +206,57 @@ class Module:
         config.attrs = self._launch_attrs
         config.numAttrs = len(self._launch_attrs)
         check(cu.cuLaunchKernelEx(config, func, ctypes.addressof(argv), 0), what)
+
+    def _allow_shared(self, func: Any, name: str, smem: int) -> None:
+        """Opt `func` in to `smem` bytes of dynamic shared memory where that is past the default limit."""
+        if smem > _STATIC_SMEM_LIMIT and self._smem_raised.get(name, 0) < smem:
+            attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(_driver().cuFuncSetAttribute(func, attr, smem), f"cuFuncSetAttribute({name}, {smem} B)")
+            self._smem_raised[name] = smem
+
+    def _spread_shared(self, func: Any, name: str, blocks: int, threads: int, smem: int) -> int:
+        """The dynamic shared memory to launch `name` with as a dependent (placement.py), checked against the
+        driver's occupancy calculator."""
+        from dflash_compiler.runtime.placement import spread_dynamic_shared
+
+        key = (name, blocks, threads, smem)
+        if key not in self._spread:
+            assert self._sm is not None
+            cu = _driver()
+            occupancy = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor
+            per_sm = int(check(occupancy(func, threads, smem), f"occupancy of {name}"))
+            static_attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+            static = int(check(cu.cuFuncGetAttribute(static_attr, func), f"static shared memory of {name}"))
+            padded = spread_dynamic_shared(blocks, per_sm, static, smem, self._sm)
+            if padded != smem:
+                self._allow_shared(func, name, padded)
+                share, got = -(-blocks // self._sm.count), int(check(occupancy(func, threads, padded), name))
+                if got != share:
+                    raise CudaError(
+                        f"{name}: {padded} B of dynamic shared memory were to let {share} of its {blocks} blocks "
+                        f"share an SM; the driver's occupancy calculator says {got}"
+                    )
+            self._spread[key] = padded
+        return self._spread[key]
+
+
+def _sm_limits() -> Any:
+    """The current device's SM count and shared-memory limits (placement.SmLimits)."""
+    from dflash_compiler.runtime.placement import SmLimits
+
+    cu = _driver()
+    attr = cu.CUdevice_attribute
+    device = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+
+    def get(which: Any) -> int:
+        return int(check(cu.cuDeviceGetAttribute(which, device), f"cuDeviceGetAttribute({which})"))
+
+    return SmLimits(
+        count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        shared_per_sm=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        reserved_per_block=get(attr.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK),
+        max_dynamic_per_block=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+    )
 
 
 def _dependent_attribute() -> Any:

@@ -58,20 +58,35 @@ def kernel_body(source: str, name: str) -> str:
 def assert_only_weights_before_the_wait(source: str, name: str) -> None:
     """Kernel `name` of `source` waits once for its inputs (dependent_launch.py) and, before that wait,
     touches no parameter but the weight `w`: under a dependent launch everything else may still be in
-    the making. A kernel that waits first touches nothing before it."""
+    the making. A kernel that waits first touches nothing before it; one that lets its dependents in
+    does so after its wait."""
     import re
 
-    from dflash_compiler.dependent_launch import WAIT, kernel_bodies
+    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
 
     start, end = kernel_bodies(source)[name]
     body = source[start:end]
     assert body.count(f"{WAIT}();") == 1, name
+    trigger = body.find(f"{LAUNCH_DEPENDENTS}();")
+    assert trigger == -1 or trigger > body.index(f"{WAIT}();"), name
     if body.lstrip().startswith(f"{WAIT}();"):
         return
     signature = source[source.rfind("\n", 0, start - 1) + 1 : start]
     params = set(re.findall(r"(\w+_ptr)\b", signature))
     early = params & set(re.findall(r"(\w+_ptr)\b", body[: body.index(f"{WAIT}();")]))
-    assert early == {"w_ptr"}, (name, early)
+    assert early <= {"w_ptr"}, (name, early)
+
+
+def assert_split_waits_and_merge_triggers(source: str, split: str, merge: str) -> None:
+    """An attention split kernel waits for its inputs before it reads any and never lets its dependents
+    in early (they would sit resident beside it for its whole run); its merge kernel, a short one, waits
+    and then lets the next grid in, first thing (dependent_launch.py)."""
+    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
+
+    bodies = {name: source[slice(*span)] for name, span in kernel_bodies(source).items()}
+    assert_only_weights_before_the_wait(source, split)
+    assert LAUNCH_DEPENDENTS not in bodies[split], split
+    assert bodies[merge].split("\n")[1:3] == [f"  {WAIT}();", f"  {LAUNCH_DEPENDENTS}();"], merge
 
 
 def lowered_per_target(rule, cases):

@@ -32,7 +32,7 @@ from dflash_compiler.targets import SM90, SM121
 tvm = pytest.importorskip("tvm")
 pytest.importorskip("ml_dtypes")
 
-from kernel_harness import assert_spec_matches_numpy  # noqa: E402
+from kernel_harness import assert_spec_matches_numpy, assert_split_waits_and_merge_triggers  # noqa: E402
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 from dflash_compiler.schedules.attention import attention_func  # noqa: E402
@@ -303,6 +303,7 @@ def test_two_kernels_with_workspaces_and_sane_launches(lowered, target):
         assert smem <= target.max_static_shared_memory_per_block
         assert {p.source for p in split.params if p.kind == "ptr"} >= {"q", "k", "v", "kv", "part_o", "part_ml"}
         assert {p.source for p in merge.params if p.kind == "ptr"} >= {"out", "part_o", "part_ml"}
+        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name)
 
 
 def test_nvrtc_compiles_for_sm90a(lowered):

@@ -26,6 +26,8 @@ from dflash_compiler.targets import SM90, SM120, SM121
 
 tvm = pytest.importorskip("tvm")
 
+from kernel_harness import assert_split_waits_and_merge_triggers  # noqa: E402
+
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
 QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
@@ -109,6 +111,7 @@ def test_kernel_table(lowered, target):
         grid, block, _ = merge.launch_dims(env)
         per_block, threads = merge_blocking(spec)
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
+        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name)
     assert cuda.source.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 2 * len(kernels)
     assert "__shfl_xor_sync" in cuda.source
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT, kernel_bodies
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
@@ -515,6 +515,7 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     # the prologue's weight copies fly before the wait for the grid that writes x, x's after it
     assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
     assert_only_weights_before_the_wait(cuda.source, gemm.name)
+    assert_triggers_after_its_last_weight_copies(body, spec, plan)
     # a warp's n_tiles x 8 tiles: as many mmas per 16 logical k, over the slot's k steps
     assert body.count(MMA_BF16) == plan.n_tiles * 8 * plan.vector // 4 * plan.k_steps
     # gemm_rows 0: the GEMV-mode kernel alone, for every m
@@ -522,6 +523,19 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     assert not any(key.startswith("gemm_") and key != "gemm_rows" for key in single.knobs)
     (only,) = lower_to_cuda(tvm.IRModule({single.name: single.func}), target).functions[single.name].kernels
     assert only.when == "1" and only.runs({"m": 512})
+
+
+def assert_triggers_after_its_last_weight_copies(body: str, spec: LinearSpec, plan) -> None:
+    """A tiled kernel lets the next grid in (dependent_launch.py) once, in the k loop's step that issues its
+    last weight copies (step per_split - stages, or the first when the prologue issued them all)."""
+    import re
+
+    per_split = spec.k // plan.step_k // plan.k_splits // plan.k_steps
+    assert body.count(f"{LAUNCH_DEPENDENTS}();") == 1
+    assert body.rindex("commit_group") < body.index(f"{LAUNCH_DEPENDENTS}();")
+    if per_split > 1:  # a loop of one step is no loop: its trigger needs no condition
+        trigger = re.search(rf"if \(kt == (\d+)\) \{{\s*{LAUNCH_DEPENDENTS}\(\);", body)
+        assert trigger and int(trigger.group(1)) == max(per_split - plan.stages, 0)
 
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
@@ -553,6 +567,7 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
     assert body.count(MMA_BF16) == 2 * 2 * plan.k_steps // plan.k_warps
     assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
     assert_only_weights_before_the_wait(cuda.source, few.name)
+    assert_triggers_after_its_last_weight_copies(body, spec, plan)
     if plan.k_warps > 1:
         # the warps along k hand their sums over through the slots once every copy landed: two barriers
         # more, and only the first warp stores
