@@ -199,7 +199,7 @@ def compile(
     weights: Annotated[bool, typer.Option(help="pack weights.safetensors when the checkpoints are given")] = True,
     dependent_launch: Annotated[
         bool, typer.Option(help="let each kernel start while the one before it drains (programmatic dependent launch)")
-    ] = False,
+    ] = True,
     force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
     dump_dir: DumpDir = None,
 ) -> None:

@@ -37,10 +37,11 @@ class BuildOptions(BaseModel):
         default=None, ge=1, description="size the KV pool from this many bytes instead of max_batch x max_seq_len"
     )
     dependent_launch: bool = Field(
-        default=False,
+        default=True,
         description="launch each kernel as a programmatic dependent of the one before it (sm_90+), so it starts "
-        "while that one drains (dependent_launch.py); off by default: on the H200 the Qwen3-8B step measured "
-        "1.62 ms with it and 1.49 ms without (bench/propose.py)",
+        "while that one drains (dependent_launch.py); on the H200 the Qwen3-8B bf16 step measured 1.061 / 1.972 / "
+        "2.396 / 4.293 ms with it and 1.097 / 1.987 / 2.428 / 4.266 ms without at nb = 1 / 4 / 8 / 16 "
+        "(bench/propose.py)",
     )
     sliding_window_only: bool = Field(
         default=False, description="sliding-window layers keep only their window of context rows"
