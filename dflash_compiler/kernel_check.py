@@ -169,7 +169,7 @@ def run_case(
             if p.written
         }
         ref = spec.reference({k: v.copy() for k, v in arrays.items()})
-        result = CheckResult(case, mismatches(spec, got, ref), max_relative_error(spec, got, ref))
+        result = CheckResult(case, mismatches(spec, got, ref, arrays), max_relative_error(spec, got, ref))
         if repeats:
             result.samples_us = time_launches(device, launch_all, repeats)
             result.median_us = statistics.median(result.samples_us)

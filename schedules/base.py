@@ -115,6 +115,12 @@ class KernelSpec(ABC):
         """The accuracy the numpy reference holds this output to (integer outputs are always exact)."""
         return Tolerance()
 
+    def error_scale(self, param: str, inputs: Mapping[str, Any] | None) -> Any:
+        """What `Tolerance.atol` multiplies for output `param`, per element, given the arrays the kernel ran
+        on; None (the default) for the rms of the reference output. A kernel whose output sums terms that
+        are each rounded on the way (so its error follows the terms' size, not the sum's) returns that size."""
+        return None
+
     def variables(self) -> tuple[str, ...]:
         """The int32 variables the parameter shapes use, in first-use order."""
         seen: dict[str, None] = {}

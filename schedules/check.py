@@ -9,8 +9,16 @@ import numpy as np
 from .base import KernelSpec
 
 
-def mismatches(spec: KernelSpec, got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]) -> list[str]:
-    """One line per written parameter that is off: where, the values, the tolerance. Empty when all agree."""
+def mismatches(
+    spec: KernelSpec,
+    got: Mapping[str, np.ndarray],
+    ref: Mapping[str, np.ndarray],
+    inputs: Mapping[str, np.ndarray] | None = None,
+) -> list[str]:
+    """One line per written parameter that is off: where, the values, the tolerance. Empty when all agree.
+
+    `inputs` are the arrays the kernel ran on, for specs whose tolerance scales with them
+    (`KernelSpec.error_scale`)."""
     problems: list[str] = []
     for p in spec.params():
         if not p.written:
@@ -34,15 +42,16 @@ def mismatches(spec: KernelSpec, got: Mapping[str, np.ndarray], ref: Mapping[str
             problems.append(f"{spec.name}.{p.name}: {int(np.sum(~np.isfinite(g64)))} non-finite values")
             continue
         tol = spec.tolerance(p.name)
+        per_element = spec.error_scale(p.name, inputs)
         rms = float(np.sqrt(np.mean(r64 * r64)))
-        err = np.abs(g64 - r64)
-        bound = tol.rtol * np.abs(r64) + tol.atol * rms
-        excess = err - bound
+        scale = rms if per_element is None else np.broadcast_to(np.asarray(per_element, np.float64), r.shape)
+        excess = np.abs(g64 - r64) - (tol.rtol * np.abs(r64) + tol.atol * scale)
         if np.any(excess > 0):
             i = np.unravel_index(int(np.argmax(excess)), r.shape)
+            of = f"rms {rms:.3g}" if per_element is None else f"the error scale ({float(scale[i]):.3g} there)"
             problems.append(
                 f"{spec.name}.{p.name}: {int(np.sum(excess > 0))} of {r.size} outside rtol {tol.rtol:g} + atol "
-                f"{tol.atol:g} x rms {rms:.3g}; worst at {i}: got {g64[i]:.6g}, expected {r64[i]:.6g}"
+                f"{tol.atol:g} x {of}; worst at {i}: got {g64[i]:.6g}, expected {r64[i]:.6g}"
             )
     return problems
 

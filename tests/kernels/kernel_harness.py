@@ -41,7 +41,7 @@ def assert_spec_matches_numpy(spec: KernelSpec, sizes: Mapping[str, int], seed: 
         assert arrays[p.name].shape == shape, f"{p.name}: sampled {arrays[p.name].shape}, declared {shape}"
     got = run_llvm(spec, arrays)
     ref = spec.reference({k: v.copy() for k, v in arrays.items()})
-    problems = mismatches(spec, got, ref)
+    problems = mismatches(spec, got, ref, arrays)
     assert not problems, "\n".join(problems)
     return got
 

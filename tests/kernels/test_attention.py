@@ -30,7 +30,7 @@ from dflash_compiler.schedules.check import mismatches
 from dflash_compiler.targets import SM90, SM121
 
 tvm = pytest.importorskip("tvm")
-pytest.importorskip("ml_dtypes")
+ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from kernel_harness import assert_spec_matches_numpy, assert_split_waits_and_merge_triggers  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_gpu_layouts_compute_the_same_on_cpu(target, spec, nb, maxp):
     layout = fit_layout(spec, target, **AttentionRule().default_knobs(target))
     arrays = spec.sample(np.random.default_rng(nb + maxp), _sizes(spec, nb, maxp))
     got = {"out": _run(spec, layout, arrays)}
-    assert not mismatches(spec, got, spec.reference(arrays))
+    assert not mismatches(spec, got, spec.reference(arrays), arrays)
 
 
 def test_corner_cases_of_lengths_and_windows():
@@ -110,7 +110,7 @@ def test_corner_cases_of_lengths_and_windows():
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False, window=3)
     arrays = _with_lengths(spec, spec.sample(np.random.default_rng(5), _sizes(spec, 3, 8)), [0, 128, 37])
     got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=5), arrays)}
-    assert not mismatches(spec, got, spec.reference(arrays))
+    assert not mismatches(spec, got, spec.reference(arrays), arrays)
 
 
 def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
@@ -119,7 +119,53 @@ def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
     arrays = _with_lengths(spec, spec.sample(np.random.default_rng(7), _sizes(spec, 3, 16)), [232, 9, 60])
     got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=20), arrays)}
-    assert not mismatches(spec, got, spec.reference(arrays))
+    assert not mismatches(spec, got, spec.reference(arrays), arrays)
+
+
+def _p_in_bf16(spec, a):
+    """numpy attention (no mask) with P rounded to bf16 before it multiplies V, as the tensor-core kernel's mma
+    takes it; the sum of P stays exact."""
+    out = np.zeros(a["out"].shape, np.float64)
+    d, blk, grp, page = spec.head_dim, spec.block, spec.group, spec.page_size
+    for s, n in enumerate(a["cache_lens"]):
+        keys = np.arange(n)
+        slots = a["block_table"][s, keys // page]
+        rows = slice(s * blk, (s + 1) * blk)
+        for g in range(spec.kv_heads):
+            cols = slice(g * d, (g + 1) * d)
+            k = np.concatenate([a["kv"][0, slots, keys % page, g], a["k"][rows, cols]]).astype(np.float64)
+            v = np.concatenate([a["kv"][1, slots, keys % page, g], a["v"][rows, cols]]).astype(np.float64)
+            for h in range(g * grp, (g + 1) * grp):
+                scores = a["q"][rows, h * d : (h + 1) * d].astype(np.float64) @ k.T / np.sqrt(d)
+                p = np.exp(scores - scores.max(axis=1, keepdims=True))
+                rounded = p.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+                out[rows, h * d : (h + 1) * d] = rounded @ v / p.sum(axis=1, keepdims=True)
+    return out.astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize(("nb", "maxp"), [(4, 6), (64, 3)])
+def test_the_check_takes_p_in_bf16_and_nothing_past_it(nb, maxp):
+    """The output's tolerance scales with its terms (Σ p·|v| / Σ p), which a peaked softmax over few keys
+    makes far larger than the output: P rounded to bf16 stays within the worst case of that rounding and
+    passes the check; an error of three such worst cases does not."""
+    spec = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
+    arrays = spec.sample(np.random.default_rng(0), _sizes(spec, nb, maxp))
+    ref = spec.reference(arrays)["out"]
+    got = _p_in_bf16(spec, arrays)
+    scale = spec.error_scale("out", arrays)
+    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    # P's rounding (2^-8 of each term at most) and both outputs' rounding to bf16
+    assert np.all(err <= (2.0**-8 * scale + 2.0**-7 * np.abs(ref.astype(np.float64))) * 1.01)
+    assert float(np.max(scale)) > 4 * float(np.sqrt(np.mean(ref.astype(np.float64) ** 2)))  # it does cancel
+    assert not mismatches(spec, {"out": got}, {"out": ref}, arrays)
+    r64 = ref.astype(np.float64)
+    i = np.unravel_index(int(np.argmax(scale / (np.abs(r64) + 1e-6))), scale.shape)  # the most cancelled
+    bad = got.copy()
+    bad[i] = (r64[i] + 3 * (8e-3 * abs(r64[i]) + 2.0**-8 * scale[i])).astype(ml_dtypes.bfloat16)
+    (problem,) = mismatches(spec, {"out": bad}, {"out": ref}, arrays)
+    assert f"1 of {ref.size} outside" in problem and "the error scale" in problem
+    with pytest.raises(ScheduleError, match="pass the arrays it ran on"):
+        mismatches(spec, {"out": got}, {"out": ref})
 
 
 def test_the_comparison_sees_a_wrong_mask():
@@ -128,7 +174,7 @@ def test_the_comparison_sees_a_wrong_mask():
     full = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
     arrays = full.sample(np.random.default_rng(0), _sizes(full, 2, 2))
     got = {"out": _run(causal, AttentionLayout(threads=32, chunk=8, splits=2), arrays)}
-    assert mismatches(full, got, full.reference(arrays))
+    assert mismatches(full, got, full.reference(arrays), arrays)
 
 
 def test_spec_contract():
