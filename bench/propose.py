@@ -451,12 +451,19 @@ def run(args: argparse.Namespace) -> int:
                     print(f"      {kernel:48s} {t:9.1f} µs  {100 * t / total:5.1f}%")
             if ours["timeline"]:
                 _print_timeline(ours["timeline"])
+            if args.json:  # after every row: a run cut short by a time limit keeps what it measured
+                _write_json(Path(args.json), results)
             for seq in range(nb):
                 drafter.free(seq)
         drafter.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=float))
     return 0
+
+
+def _write_json(path: Path, results: dict[str, Any]) -> None:
+    """`results` as JSON at `path`, replaced whole (written beside it, then renamed)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(results, indent=1, default=float))
+    partial.replace(path)
 
 
 def main() -> int:
