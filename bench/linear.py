@@ -541,7 +541,9 @@ def main() -> int:
     r.add_argument("--log", help="also write the table here")
     r.add_argument("--json", help="also write the results here as JSON")
     r.add_argument(
-        "--dependent-launch", action="store_true", help="launch each kernel as a programmatic dependent of the last"
+        "--dependent-launch",
+        action="store_true",
+        help="launch each kernel as a programmatic dependent of the last, as the drafter does by default",
     )
     args = parser.parse_args()
     if args.command == "build":

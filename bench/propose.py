@@ -14,7 +14,8 @@ cache, and measures in one process: our step (both phases replayed as CUDA graph
 events), the PyTorch peer (static cache, fused projections, SDPA, the whole step in one CUDA graph) and the
 roofline (bytes one step must read ÷ the device-to-device copy bandwidth measured in the same run). It
 prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per nb, a per-kernel breakdown
-of our step. Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its
+of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when each kernel of one
+replayed step ran. Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its
 drafts are not compared.
 """
 
@@ -394,6 +395,12 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         drafter = Drafter.load(local, device=device)
         full_s = time.perf_counter() - start
+        dependent = {name: d for name, _, d in VARIANTS}[variant]
+        if drafter.manifest.options.dependent_launch != dependent:
+            raise SystemExit(
+                f"{artifact}: built with dependent_launch={drafter.manifest.options.dependent_launch}, but variant "
+                f"{variant} means {dependent}; rebuild it with `bench/propose.py build`"
+            )
         # the same artifact with every weight borrowed (what a serving engine holding them does): manifest,
         # hashes of what it reads, cubin, launch plans, KV cache
         start = time.perf_counter()

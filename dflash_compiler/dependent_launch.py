@@ -3,8 +3,8 @@
 A drafter step is a chain of ~100 short kernels, and between two of them the GPU idles: the next grid is
 scheduled only when the previous one has drained, and its first loads then wait a full DRAM latency. With
 programmatic dependent launch the next grid's blocks start as soon as every block of the previous grid has
-started, run up to `griddepcontrol.wait` (which returns once the previous grid has completed and its
-writes are visible), and only then read what it produced. A kernel may issue loads of data no kernel
+let them in (or exited), run up to `griddepcontrol.wait` (which returns once the previous grid has
+completed and its writes are visible), and only then read what it produced. A kernel may issue loads of data no kernel
 writes (weights) before the wait, so its first weight bytes are in flight while the previous grid's tail
 drains.
 
@@ -17,8 +17,9 @@ loads while it runs. A kernel whose schedule calls the wait itself also places i
 that its dependents come in only as its blocks exit:
 
 * the tensor-core linears issue their first weight loads (`dflash_prefetch_l2`, or `cp.async` into their
-  shared-memory slots) before the wait, since weights are never written by a kernel, and the tiled ones
-  trigger once they have issued their last weight loads: the next grid arrives for the stream's tail only;
+  shared-memory slots) before the wait, since weights are never written by a kernel, and trigger once
+  their weight is out (the tiled ones at the step that issues their last copies, GEMV mode after its last
+  pass's multiplies): the next grid arrives for the stream's tail only;
 * the attention split kernels wait first and never trigger.
 
 Measured on the H200 (`bench/propose.py --timeline`, Qwen3-8B drafter, bf16; ms at nb = 1 / 4 / 8 / 16,

@@ -57,7 +57,8 @@ Where `x` goes is the `x_stages` knob:
 
 Before it reads `x`, every thread prefetches its first `stages · unroll` weight vectors into L2 and then
 waits for the grid that wrote `x` (programmatic dependent launch, dependent_launch.py), so under a
-dependent launch the weight stream starts while the previous kernel drains.
+dependent launch the weight stream starts while the previous kernel drains; once its last pass has
+multiplied its weight, it lets the next grid in, for its reduction and stores.
 
 The kernel is written as TVMScript with explicit thread bindings, `T.ptx_legacy.mma` and `T.ptx` cp.async;
 TVM generates the CUDA. It is not derived from the spec's TE computation (that stays the CPU oracle); it is
@@ -69,7 +70,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT
 
 from .base import ScheduleError
 from .linear_tiled import TiledPlan, tiled_body_macro
@@ -372,6 +373,8 @@ def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
                 compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, 1, 2 * b2 + 1)
             if batches % 2 == 1:
                 compute(x, m, ty, tx, mc, wl, xs, xl, af, bf, acc, 0, batches - 1)
+        if mc == T.ceildiv(m, m_tile) - 1:  # the last pass's weight is in: let the next grid in
+            T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
         if x_stages > 0:
             # the partial sums lie over the x ring: every copy has landed and every warp is past its last read
             T.evaluate(T.ptx["cp.async.wait_all"]())

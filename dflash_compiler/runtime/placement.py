@@ -30,22 +30,30 @@ class SmLimits:
     shared_per_sm: int  # shared memory of one SM, bytes
     reserved_per_block: int  # shared memory the system keeps per resident block, bytes
     max_dynamic_per_block: int  # the opt-in limit of one block's shared memory, bytes
+    granule: int = 128  # a block's shared memory, its reserve included, is allocated in these units (sm_90, sm_12x)
+
+    def blocks_by_shared(self, per_block: int) -> int:
+        """Blocks of `per_block` bytes of shared memory (static + dynamic) that fit on one SM."""
+        return self.shared_per_sm // (-(-(per_block + self.reserved_per_block) // self.granule) * self.granule)
 
 
 def spread_dynamic_shared(blocks: int, per_sm: int, static: int, dynamic: int, sm: SmLimits) -> int:
     """Dynamic shared-memory bytes for a grid of `blocks` blocks, each using `static` + `dynamic` bytes, of
     which at most `per_sm` fit on one SM (by every limit: registers, threads, shared memory), such that at
     most ceil(blocks / SMs) share an SM; `dynamic` where the grid fills every SM anyway (several waves, or
-    its fair share is already `per_sm`).
+    its fair share is already `per_sm`) and where no allocation holds exactly that share (a share of 30 or
+    more blocks on a 100 KiB SM, whose 128-byte units cannot split it that finely).
     """
     if blocks < 1 or per_sm < 1:
         raise CudaError(f"spread_dynamic_shared: expected blocks and occupancy of at least 1, got {blocks}, {per_sm}")
     share = -(-blocks // sm.count)
     if share >= per_sm:
         return dynamic
-    # one byte past the size at which share + 1 blocks still fit; the allocation granularity only rounds it up
-    total = sm.shared_per_sm // (share + 1) - sm.reserved_per_block + 1
-    padded = max(dynamic, total - static)
+    # the smallest allocation at which share + 1 blocks no longer fit
+    allocation = -(-(sm.shared_per_sm // (share + 1) + 1) // sm.granule) * sm.granule
+    padded = max(dynamic, allocation - sm.reserved_per_block - static)
+    if sm.blocks_by_shared(static + padded) != share:
+        return dynamic
     if static + padded > sm.max_dynamic_per_block:
         raise CudaError(
             f"spreading {blocks} blocks as {share} per SM needs {static + padded} B of shared memory per block; "

@@ -220,6 +220,9 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
     wait = body.index(f"{WAIT}();")
     assert body.index(f"{PREFETCH_L2}(") < wait < min(body.index("(x_ptr + "), body.index("y_ptr["))
     assert_only_weights_before_the_wait(cuda.source, launch.name)
+    # the next grid comes in once the last pass has multiplied its weight, for the reduction and stores
+    assert body.count(f"{LAUNCH_DEPENDENTS}();") == 1
+    assert body.rindex(MMA_BF16) < body.index(f"{LAUNCH_DEPENDENTS}();") < body.index("y_ptr[")
 
 
 def test_fp8_kernel_has_its_own_defaults_and_scales():

@@ -15,7 +15,7 @@ GRANULE = 128
 
 
 def _blocks_by_shared(sm: SmLimits, per_block: int) -> int:
-    return sm.shared_per_sm // (-(-per_block // GRANULE) * GRANULE + sm.reserved_per_block)
+    return sm.shared_per_sm // (-(-(per_block + sm.reserved_per_block) // GRANULE) * GRANULE)
 
 
 @pytest.mark.parametrize("sm", [H200, GB10], ids=["h200", "gb10"])
@@ -45,9 +45,18 @@ def test_grids_that_fill_every_sm_keep_their_shared_memory():
     assert spread_dynamic_shared(264, 2, 0, 0, H200) == 0
 
 
+def test_a_share_the_allocation_units_cannot_hold_keeps_its_shared_memory():
+    # 31 blocks per SM of GB10: 3200 bytes each would fit 32, the next 128-byte unit only 30
+    assert _blocks_by_shared(GB10, 3200 - 1024) == 32 and _blocks_by_shared(GB10, 3328 - 1024) == 30
+    assert spread_dynamic_shared(31 * GB10.count, 32, 0, 0, GB10) == 0
+    # while 30 per SM is one unit away
+    padded = spread_dynamic_shared(30 * GB10.count, 32, 0, 0, GB10)
+    assert _blocks_by_shared(GB10, padded) == 30
+
+
 def test_what_cannot_be_spread_is_refused():
     with pytest.raises(CudaError, match="expected blocks and occupancy"):
         spread_dynamic_shared(0, 2, 0, 0, H200)
     tight = SmLimits(count=4, shared_per_sm=233472, reserved_per_block=1024, max_dynamic_per_block=65536)
-    with pytest.raises(CudaError, match="needs 115713 B of shared memory per block; the device allows 65536"):
+    with pytest.raises(CudaError, match="needs 115840 B of shared memory per block; the device allows 65536"):
         spread_dynamic_shared(4, 2, 0, 0, tight)
