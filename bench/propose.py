@@ -188,7 +188,6 @@ def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[di
     step's first kernel, from the CUDA profiler's kernel records (torch.profiler, i.e. CUPTI), of the last of
     three replayed steps. Unlike `_breakdown`, nothing separates the kernels, so under dependent launch a
     kernel starts before the one before it ends; `end - previous end` is what the kernel adds to the step."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     labels = [(p.node, p.launch.name) for phase, dims in phases for p in phase.prepared(dims)]
@@ -201,7 +200,6 @@ def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[di
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         records = json.loads(trace.read_text())["traceEvents"]
-    torch.cuda.synchronize()
     kernels = sorted((e for e in records if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
     if len(kernels) < 3 * len(labels):
         raise RuntimeError(
@@ -381,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"device": device.name, "copy_gbps": bandwidth / 1e9, "rows": [], "load": {}}
     peer_ms: dict[int, float] = {}
     for variant in args.variants:
-        precision = {name: p for name, p, _ in VARIANTS}[variant]
+        precision, dependent = {name: (p, d) for name, p, d in VARIANTS}[variant]
         artifact = Path(args.bundle) / f"{EXAMPLE}-sm_90-{variant}"
         local = work / artifact.name
         shutil.copytree(artifact, local)
@@ -395,7 +393,6 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         drafter = Drafter.load(local, device=device)
         full_s = time.perf_counter() - start
-        dependent = {name: d for name, _, d in VARIANTS}[variant]
         if drafter.manifest.options.dependent_launch != dependent:
             raise SystemExit(
                 f"{artifact}: built with dependent_launch={drafter.manifest.options.dependent_launch}, but variant "

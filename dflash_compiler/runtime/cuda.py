@@ -230,7 +230,7 @@ class Module:
             padded = spread_dynamic_shared(blocks, per_sm, static, smem, self._sm)
             if padded != smem:
                 self._allow_shared(func, name, padded)
-                share, got = -(-blocks // self._sm.count), int(check(occupancy(func, threads, padded), name))
+                share, got = self._sm.fair_share(blocks), int(check(occupancy(func, threads, padded), name))
                 if got != share:
                     raise CudaError(
                         f"{name}: {padded} B of dynamic shared memory were to let {share} of its {blocks} blocks "

@@ -32,6 +32,10 @@ class SmLimits:
     max_dynamic_per_block: int  # the opt-in limit of one block's shared memory, bytes
     granule: int = 128  # a block's shared memory, its reserve included, is allocated in these units (sm_90, sm_12x)
 
+    def fair_share(self, blocks: int) -> int:
+        """Blocks per SM of a grid of `blocks` spread evenly: ceil(blocks / SMs)."""
+        return -(-blocks // self.count)
+
     def blocks_by_shared(self, per_block: int) -> int:
         """Blocks of `per_block` bytes of shared memory (static + dynamic) that fit on one SM."""
         return self.shared_per_sm // (-(-(per_block + self.reserved_per_block) // self.granule) * self.granule)
@@ -46,7 +50,7 @@ def spread_dynamic_shared(blocks: int, per_sm: int, static: int, dynamic: int, s
     """
     if blocks < 1 or per_sm < 1:
         raise CudaError(f"spread_dynamic_shared: expected blocks and occupancy of at least 1, got {blocks}, {per_sm}")
-    share = -(-blocks // sm.count)
+    share = sm.fair_share(blocks)
     if share >= per_sm:
         return dynamic
     # the smallest allocation at which share + 1 blocks no longer fit
