@@ -26,15 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# (block, heads, kv_heads, head_dim, causal, window)
+# (block, heads, kv_heads, head_dim, causal, window, page_size)
 VARIANTS = (
-    (16, 32, 8, 128, False, None),  # the Qwen3 DFlash drafters
-    (16, 32, 8, 128, False, 2048),  # DFlash2's sliding layers: symmetric window
-    (16, 32, 8, 128, True, None),
-    (16, 32, 8, 128, True, 40),
-    (7, 32, 8, 128, False, None),  # DSpark's block of 7: 28 rows per kv head, a ragged second warp
-    (16, 16, 4, 64, False, 24),
-    (8, 8, 8, 64, True, None),  # no GQA: 8 rows per kv head, one half-empty warp
+    (16, 32, 8, 128, False, None, 16),  # the Qwen3 DFlash drafters
+    (16, 32, 8, 128, False, 2048, 16),  # DFlash2's sliding layers: symmetric window
+    (16, 32, 8, 128, True, None, 16),
+    (16, 32, 8, 128, True, 40, 16),
+    (7, 32, 8, 128, False, None, 16),  # DSpark's block of 7: 28 rows per kv head, a ragged second warp
+    (16, 16, 4, 64, False, 24, 16),
+    (8, 8, 8, 64, True, None, 16),  # no GQA: 8 rows per kv head, one half-empty warp
+    (16, 32, 8, 128, False, 300, 8),  # pages of 8: a chunk of 16 keys spans up to 3 pages (window: unaligned)
 )
 # (label, nb, pages per sequence)
 SIZES = (("long nb=1", 1, 258), ("short nb=3", 3, 5), ("long nb=8", 8, 258))
@@ -76,8 +77,8 @@ def main() -> int:
             for label, nb, maxp in (*SIZES, *VARIANT_SIZES):
                 sizes = {"m": nb * spec.block, "pages": nb * maxp + 1, "nb": nb, "maxp": maxp}
                 cases.append(CheckCase(name, sizes, label))
-    for block, heads, kv_heads, dim, causal, window in () if args.variant else VARIANTS:
-        spec = BlockAttentionSpec(block, heads, kv_heads, dim, causal, window)
+    for block, heads, kv_heads, dim, causal, window, page_size in () if args.variant else VARIANTS:
+        spec = BlockAttentionSpec(block, heads, kv_heads, dim, causal, window, page_size)
         kernel = rule.apply(spec, target)
         if kernel is None:
             raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")

@@ -6,12 +6,13 @@ on CUDA cores. Here each warp owns 16 query rows of one (sequence, kv head) and 
 m16n8k16 mmas, flash-attention style; the splits, their spans and the log-sum-exp merge kernel are the ones
 of `attention.py`, so the two kernels write the same partial results.
 
-Thread block = (split, kv head, sequence), `warps` = ceil(block·group / 16) warps; row r of the block's
-query rows is (block row r // group, head r % group of the kv head's group), as in the SIMT kernel. Keys go
-in groups of `warps` chunks of 16: warp w fetches chunk w of the next group into registers (16-byte loads,
-cached rows through the page table, then the block's own rows) while every warp computes the current group
-from shared memory; a barrier separates the two. A warp takes the group's chunks `tile_chunks` at a time
-(one softmax step of 16·tile_chunks keys); per step:
+Thread block = (split, kv head, sequence), `warps` = ceil(block·group / 16) warps (times `key_warps`, see
+the rule); row r of the block's query rows is (block row r // group, head r % group of the kv head's group),
+as in the SIMT kernel. Keys go in groups of `warps` chunks of 16: warp w fetches chunk w of the next group
+into registers (16-byte loads, cached rows through the page table, then the block's own rows) while every
+warp computes the current group from shared memory; a barrier separates the two. A warp takes the group's
+chunks `tile_chunks` at a time (one softmax step of 16·tile_chunks keys), skipping the last group's tiles
+past the split's keys; per step:
 
 * S = Q·Kᵀ: Q (A operand) stays in registers for the whole kernel; K rows are the B operand's columns.
   Logical k (head dim) is permuted as in `linear_mma.py` so that every fragment is one 16-byte vector per
@@ -69,6 +70,11 @@ class MmaAttentionPlan:
     qk_chains: int = 1  # independent accumulator chains of Q·Kᵀ's k steps (2 halves its mma latency chain)
     tile_chunks: int = 1  # chunks per softmax step (its max, rescale and shuffles amortised over 16·this keys)
     slots: int = 0  # > 0: the grid a batch's splits aim at (blocks); a larger batch takes fewer splits
+    key_warps: int = 1  # warps per 16 query rows, each taking every key_warps-th tile of a group's keys
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps * self.key_warps
 
     def shared_bytes(self, spec: BlockAttentionSpec) -> int:
         """The staged K and V chunks of one group, padded rows."""
@@ -98,6 +104,7 @@ def fit_mma_attention(
     qk_chains: int = 1,
     tile_chunks: int = 1,
     slots: int = 0,
+    key_warps: int = 1,
 ) -> MmaAttentionPlan:
     """The plan for `spec` (which `mma_attention_fits` `target`) with `splits` blocks per (sequence, kv head)."""
     if not 1 <= splits <= 256:
@@ -115,7 +122,20 @@ def fit_mma_attention(
         )
     if slots < 0:
         raise ScheduleError(f"{AttentionMmaRule.name} knob slots={slots}: expected 0 (off) or a block count")
-    return MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots)
+    tiles, vectors = warps // tile_chunks, CHUNK * spec.head_dim // 8 // WARP
+    if key_warps < 1 or tiles % key_warps or vectors % key_warps:
+        raise ScheduleError(
+            f"{AttentionMmaRule.name} knob key_warps={key_warps}: expected a divisor of both the {tiles} tiles "
+            f"of a group (its {warps} chunks over tile_chunks={tile_chunks}) and the {vectors} vectors a warp "
+            "fetches per chunk"
+        )
+    plan = MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots, key_warps)
+    if plan.threads > target.max_threads_per_block:
+        raise ScheduleError(
+            f"{AttentionMmaRule.name} knob key_warps={key_warps}: {plan.threads} threads, expected at most "
+            f"{target.max_threads_per_block} on {target.name}; lower key_warps"
+        )
+    return plan
 
 
 def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
@@ -129,7 +149,8 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     vcols = dim // 8  # d-tiles of P·V = head-dim elements of a V row per thread
     vvec = 8 if vcols % 8 == 0 else 4  # elements per V load (16 or 8 bytes)
     row_vectors = dim // 8  # 16-byte vectors per K/V row
-    fetch = CHUNK * row_vectors // WARP  # 16-byte vectors of K (and of V) a lane fetches per chunk
+    kw = plan.key_warps
+    fetch = CHUNK * row_vectors // WARP // kw  # 16-byte vectors of K (and of V) a lane fetches per chunk
     pitch = dim + _PAD
     group_keys = warps * CHUNK
     q_scale = math.log2(math.e) / math.sqrt(dim)
@@ -140,15 +161,30 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     nts = 2 * kt  # 8-key n-tiles of S per step
     full = T.uint32(0xFFFFFFFF)
     mma = mma_m16n8k16()
+    chunk_pages = (page + CHUNK - 2) // page + 1  # pages 16 consecutive keys can touch
+    red_values = vcols * 4 + 4  # a thread's outputs, (max, sum) of its two rows: fits the K/V staging exactly
+
+    def page_slot(pslot: Any, e: Any) -> Any:
+        # entry e of the chunk's pages as a chain of selects: a dynamic index would put pslot in local memory
+        out = pslot[chunk_pages - 1]
+        for i in reversed(range(chunk_pages - 1)):
+            out = T.if_then_else(e == i, pslot[i], out)
+        return out
 
     @T.macro
-    def fetch_chunk(kr, vr, kv, k, v, table, s, g, n, first, end, lane):
-        # lane's share of one chunk: vectors i·32 + lane of the chunk's [16 keys, dim/8 vectors] K and V
+    def fetch_chunk(kr, vr, pslot, kv, k, v, table, s, g, n, first, end, lane, kg):
+        # lane's share of one chunk: vectors (kg·fetch + i)·32 + lane of the chunk's [16 keys, dim/8 vectors]
+        # K and V (the chunk's key_warps warps take one part each). The table entries of the chunk's pages
+        # (2 for pages of 16) are read first, unguarded (clamped to the cache's last page), once per page
+        # rather than once per key in each key's branch
+        p0 = T.meta_var(T.min(first, end - 1) // page)
+        for e in T.unroll(chunk_pages):
+            pslot[e] = table[s, T.min(p0 + e, T.max(T.min(n, end) - 1, 0) // page)]
         for i in T.unroll(fetch):
-            key = T.meta_var(T.min(first + (i * WARP + lane) // row_vectors, end - 1))
-            d0 = T.meta_var((i * WARP + lane) % row_vectors * 8)
+            key = T.meta_var(T.min(first + ((kg * fetch + i) * WARP + lane) // row_vectors, end - 1))
+            d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
             if key < n:
-                slot: T.let[T.int32] = table[s, key // page]
+                slot: T.let[T.int32] = page_slot(pslot, key // page - p0)
                 for x in T.vectorized(8):
                     kr[i, x] = kv[0, slot, key % page, g, d0 + x]
                 for x in T.vectorized(8):
@@ -160,10 +196,10 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                     vr[i, x] = v[s * blk + key - n, g * dim + d0 + x]
 
     @T.macro
-    def stage_chunk(kr, vr, ks, vs, w, lane):
+    def stage_chunk(kr, vr, ks, vs, w, lane, kg):
         for i in T.unroll(fetch):
-            c = T.meta_var((i * WARP + lane) // row_vectors)
-            d0 = T.meta_var((i * WARP + lane) % row_vectors * 8)
+            c = T.meta_var(((kg * fetch + i) * WARP + lane) // row_vectors)
+            d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
             for x in T.vectorized(8):
                 ks[(w * CHUNK + c) * pitch + d0 + x] = kr[i, x]
             for x in T.vectorized(8):
@@ -251,18 +287,25 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         for s in T.thread_binding(nb, thread="blockIdx.z"):
             for g in T.thread_binding(hkv, thread="blockIdx.y"):
                 for p in T.thread_binding(splits, thread="blockIdx.x"):
-                    for w in T.thread_binding(warps, thread="threadIdx.y"):
+                    for ty in T.thread_binding(warps * kw, thread="threadIdx.y"):
                         for lane in T.thread_binding(WARP, thread="threadIdx.x"):
                             with T.sblock("split"):
                                 T.reads()
                                 T.writes()
-                                ks = T.sblock_alloc_buffer((group_keys * pitch,), DTYPE, scope="shared")
-                                vs = T.sblock_alloc_buffer((group_keys * pitch,), DTYPE, scope="shared")
+                                # one allocation: the staged K, then V; at the end the warps' partial results
+                                # of the key_warps > 1 combine
+                                kvs = T.sblock_alloc_buffer((2 * group_keys * pitch,), DTYPE, scope="shared")
+                                ks = T.decl_buffer((group_keys * pitch,), DTYPE, data=kvs.data, scope="shared")
+                                vs = T.decl_buffer((group_keys * pitch,), DTYPE, data=kvs.data,
+                                                   elem_offset=group_keys * pitch, scope="shared")  # fmt: skip
+                                red = T.decl_buffer((red_values, warps * WARP), "float32", data=kvs.data,
+                                                    scope="shared")  # fmt: skip
                                 span = T.sblock_alloc_buffer((4,), "int32", scope="local")
                                 ql = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
                                 qf = T.sblock_alloc_buffer((steps * 16,), DTYPE, scope="local")
                                 kr = T.sblock_alloc_buffer((fetch, 8), DTYPE, scope="local")
                                 vr = T.sblock_alloc_buffer((fetch, 8), DTYPE, scope="local")
+                                pslot = T.sblock_alloc_buffer((chunk_pages,), "int32", scope="local")
                                 kl = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
                                 kb = T.sblock_alloc_buffer((nts * steps * 8,), DTYPE, scope="local")
                                 vl = T.sblock_alloc_buffer((4, vcols), DTYPE, scope="local")
@@ -277,6 +320,9 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
 
                                 gq = T.meta_var(lane // 4)
                                 tq = T.meta_var(lane % 4)
+                                w = T.meta_var(ty % warps)  # the warp's 16 query rows
+                                kg = T.meta_var(ty // warps)  # and its share of each group's tiles
+                                me = T.meta_var(w * WARP + lane)  # the thread's column of `red`
                                 # waits first and never triggers: its dependents, launched early, would sit
                                 # resident beside it for its whole run (dependent_launch.py)
                                 T.evaluate(T.call_extern("void", WAIT))
@@ -308,17 +354,44 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                     oacc[i] = T.float32(0)
 
                                 if chunks > 0:
-                                    fetch_chunk(kr, vr, kv, k, v, block_table, s, g, n, start + w * CHUNK, end, lane)
+                                    fetch_chunk(kr, vr, pslot, kv, k, v, block_table, s, g, n, start + w * CHUNK, end,
+                                                lane, kg)  # fmt: skip
                                 for grp in T.serial(T.ceildiv(chunks, warps)):
-                                    stage_chunk(kr, vr, ks, vs, w, lane)
+                                    stage_chunk(kr, vr, ks, vs, w, lane, kg)
                                     T.tvm_storage_sync("shared")
                                     if (grp + 1) * warps < chunks:
-                                        fetch_chunk(kr, vr, kv, k, v, block_table, s, g, n,
-                                                    start + ((grp + 1) * warps + w) * CHUNK, end, lane)  # fmt: skip
-                                    for c in T.unroll(warps // kt):
-                                        compute_tile(c, start + (grp * warps + c * kt) * CHUNK, ks, vs, qf, kl, kb,
-                                                     vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions,
-                                                     s, n, end, gq, tq)  # fmt: skip
+                                        fetch_chunk(kr, vr, pslot, kv, k, v, block_table, s, g, n,
+                                                    start + ((grp + 1) * warps + w) * CHUNK, end, lane,
+                                                    kg)  # fmt: skip
+                                    for cc in T.unroll(warps // kt // kw):
+                                        c = T.meta_var(cc * kw + kg)
+                                        # the last group's tiles past the split's chunks hold no key: skipped
+                                        if grp * warps + c * kt < chunks:
+                                            compute_tile(c, start + (grp * warps + c * kt) * CHUNK, ks, vs, qf, kl,
+                                                         kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
+                                                         blk_positions, s, n, end, gq, tq)  # fmt: skip
+                                    T.tvm_storage_sync("shared")
+                                for r in T.unroll(1, kw):
+                                    # warps kg = r hand their (max, per-thread sum, outputs) to warps kg = 0, which
+                                    # rescale both to the larger max, as a softmax step does
+                                    if kg == r:
+                                        for h in T.unroll(2):
+                                            red[h, me] = m_run[h]
+                                            red[2 + h, me] = l_run[h]
+                                        for i in T.unroll(vcols * 4):
+                                            red[4 + i, me] = oacc[i]
+                                    T.tvm_storage_sync("shared")
+                                    if kg == 0:
+                                        for h in T.unroll(2):
+                                            stat[h] = T.max(m_run[h], red[h, me])
+                                            stat[2 + h] = T.exp2(red[h, me] - stat[h])
+                                            m_run[h] = T.exp2(m_run[h] - stat[h])  # own factor; max set below
+                                            l_run[h] = l_run[h] * m_run[h] + red[2 + h, me] * stat[2 + h]
+                                        for i in T.unroll(vcols * 4):
+                                            oacc[i] = (oacc[i] * m_run[i % 4 // 2]
+                                                       + red[4 + i, me] * stat[2 + i % 4 // 2])  # fmt: skip
+                                        for h in T.unroll(2):
+                                            m_run[h] = stat[h]
                                     T.tvm_storage_sync("shared")
 
                                 # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
@@ -330,7 +403,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                         "float32", "__shfl_xor_sync", full, l_run[h], 2, WARP
                                     )
                                 for h in T.unroll(2):
-                                    if w * 16 + h * 8 + gq < rows:
+                                    if kg == 0 and w * 16 + h * 8 + gq < rows:
                                         if chunks > 0:
                                             # a thread's columns (2tq + e)·vcols + j are contiguous in j:
                                             # float4 stores, a quarter of the scattered scalar ones
@@ -354,7 +427,8 @@ class AttentionMmaRule(FamilyRule):
     Knobs: `splits`, thread blocks one (sequence, kv head) is split across at most (spans adapt to each
     length); `slots`, the grid a batch's splits aim at (0: off), so a larger batch takes fewer splits;
     `tile_chunks`, chunks per softmax step (by default the most, up to 2, that divide the warps);
-    `qk_chains`, accumulator chains of Q·Kᵀ.
+    `qk_chains`, accumulator chains of Q·Kᵀ; `key_warps`, warps per 16 query rows, which take turns over a
+    group's tiles and combine their results through shared memory at the end.
 
     Defaults from the H200 (bench/attention.py shapes, Qwen3-8B drafter, 4096 cached keys; µs of split +
     merge with the launch): 4 blocks per SM of slots (two waves of the two blocks an SM holds at the
@@ -362,10 +436,14 @@ class AttentionMmaRule(FamilyRule):
     nb = 16, against 70.4 and 153.8 with 16 splits for every batch; a quarter of that grid (4 splits at
     nb = 8) took 68.1. Two chunks per step with two Q·Kᵀ chains: 52.9 / 117.3 against 56.3 / 125.2 for one
     and one. One sequence keeps its 16 splits (29.5 µs either way; 8 splits: 35.2).
+
+    One warp per row tile: two (226 registers, one 256-thread block per SM) took 25.5 against 25.6 µs for
+    one sequence and 65.1 / 141.4 against 52.4 / 124.1 at nb = 8 / 16. Halving a warp's multiplies per group
+    left one sequence's time where it was: the group's K/V loads, issued one group ahead, set the pace there.
     """
 
     name = "block_attention_mma"
-    knob_names = ("splits", "qk_chains", "tile_chunks", "slots")
+    knob_names = ("splits", "qk_chains", "tile_chunks", "slots", "key_warps")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {
@@ -373,6 +451,7 @@ class AttentionMmaRule(FamilyRule):
             "qk_chains": 2,
             "tile_chunks": 2,
             "slots": 4 * target.sm_count,
+            "key_warps": 1,
         }
 
     def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
@@ -400,5 +479,6 @@ class AttentionMmaRule(FamilyRule):
             knobs["qk_chains"],
             knobs["tile_chunks"],
             knobs["slots"],
+            knobs["key_warps"],
         )
         return attention_mma_func(spec, plan)

@@ -9,6 +9,8 @@ which covers every mask, head dims 64 and 128, ragged warps, long and short sequ
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -68,6 +70,7 @@ def test_fit_rules():
         ({"qk_chains": 3}, "qk_chains=3"),  # 8 k steps of head_dim 128: 1, 2 or 4 chains
         ({"tile_chunks": 3}, "tile_chunks=3"),  # 4 warps stage 4 chunks a group
         ({"slots": -1}, "slots=-1"),
+        ({"key_warps": 3}, "key_warps=3"),  # 2 tiles a group (4 chunks, 2 per step)
         ({"chunk": 32}, "unknown knob"),
     ):
         with pytest.raises(ScheduleError, match=match):
@@ -76,6 +79,13 @@ def test_fit_rules():
         AttentionMmaRule().apply(DSPARK, SM90, {"tile_chunks": 4})  # 28 rows: 2 warps, 2 chunks a group
     # the default step takes 2 chunks where the warps (chunks per group) allow: 4, 2, then 1 warp
     assert [AttentionMmaRule().apply(s, SM90).knobs["tile_chunks"] for s in (QWEN3_8B, DSPARK, SMALL)] == [2, 2, 1]
+    # two warps per row tile take turns over a group's tiles: DSpark's group of 2 chunks has one tile of 2
+    with pytest.raises(ScheduleError, match="key_warps=2"):
+        AttentionMmaRule().apply(DSPARK, SM90, {"key_warps": 2})
+    assert AttentionMmaRule().apply(DSPARK, SM90, {"key_warps": 2, "tile_chunks": 1}).knobs["key_warps"] == 2
+    assert fit_mma_attention(QWEN3_8B, SM90, 16, 2, 2, 0, 2).threads == 256
+    with pytest.raises(ScheduleError, match="256 threads, expected at most 128"):
+        fit_mma_attention(QWEN3_8B, SM90.model_copy(update={"max_threads_per_block": 128}), 16, 2, 2, 0, 2)
     knobs = AttentionMmaRule().default_knobs(SM121)
     assert knobs["splits"] == 4  # 48 SMs: 8 kv heads x 4 blocks
     assert knobs["slots"] == 4 * SM121.sm_count and knobs["qk_chains"] == 2
@@ -86,6 +96,10 @@ def lowered():
     out = {}
     for target in (SM90, SM120, SM121):
         kernels = [AttentionMmaRule().apply(s, target) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK, SMALL)]
+        # and two warps per row tile (their combine through the staging memory)
+        paired = AttentionMmaRule().apply(QWEN3_8B, target, {"key_warps": 2})
+        name = f"{paired.name}_key_warps2"
+        kernels.append(replace(paired, name=name, func=paired.func.with_attr("global_symbol", name)))
         out[target.name] = (kernels, lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target))
     return out
 
@@ -106,7 +120,7 @@ def test_kernel_table(lowered, target):
         assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
         split, merge = func.kernels
         grid, block, smem = split.launch_dims(env)
-        assert grid == (splits, spec.kv_heads, 3) and block == (32, warps, 1)
+        assert grid == (splits, spec.kv_heads, 3) and block == (32, warps * kernel.knobs["key_warps"], 1)
         assert smem == 0  # static: the staged chunks
         grid, block, _ = merge.launch_dims(env)
         per_block, threads = merge_blocking(spec)
