@@ -57,8 +57,13 @@ class RMSNormSpec(KernelSpec):
         row = (ROWS, self.hidden)
         weight = Param("w", DTYPE, (self.hidden,))
         if self.residual:
-            return (Param("a", DTYPE, row), Param("b", DTYPE, row), weight, Param("s", DTYPE, row, "out"),
-                    Param("y", DTYPE, row, "out"))
+            return (
+                Param("a", DTYPE, row),
+                Param("b", DTYPE, row),
+                weight,
+                Param("s", DTYPE, row, "out"),
+                Param("y", DTYPE, row, "out"),
+            )
         return (Param("x", DTYPE, row), weight, Param("y", DTYPE, row, "out"))
 
     def prim_func(self) -> Any:
