@@ -217,18 +217,36 @@ def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[di
     ]
 
 
-def _print_timeline(timeline: list[dict[str, Any]]) -> None:
-    """The step's span, its kernels' busy time and idle gaps, and the kernels that add the most to it."""
+def timeline_summary(timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step's span, its kernels' busy time, the idle gaps where no kernel ran, and per kernel its
+    launches and what they add to the span: a launch adds how far its end moves the latest end so far (0
+    where it ends inside a launch before it, as dependent launches can), so the adds sum to the span."""
     busy = sum(e["end"] - e["start"] for e in timeline)
-    added: dict[str, float] = {}
-    idle = prev_end = 0.0
+    added: dict[str, list[float]] = {}
+    idle = span = 0.0
     for e in timeline:
-        idle += max(0.0, e["start"] - prev_end)
-        added[e["kernel"]] = added.get(e["kernel"], 0.0) + e["end"] - prev_end
-        prev_end = e["end"]
-    print(f"    timeline: span {prev_end:.1f} µs, kernels busy {busy:.1f} µs, idle between kernels {idle:.1f} µs")
-    for kernel, t in sorted(added.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"      {kernel:48s} adds {t:8.1f} µs")
+        idle += max(0.0, e["start"] - span)
+        row = added.setdefault(e["kernel"], [0, 0.0])
+        row[0] += 1
+        row[1] += max(0.0, e["end"] - span)
+        span = max(span, e["end"])
+    kernels = [
+        {"kernel": k, "launches": int(n), "adds": t} for k, (n, t) in sorted(added.items(), key=lambda kv: -kv[1][1])
+    ]
+    return {"span": span, "busy": busy, "idle": idle, "kernels": kernels}
+
+
+def _print_timeline(timeline: list[dict[str, Any]]) -> None:
+    """The summary as a table, every kernel that adds at least 1 µs."""
+    summary = timeline_summary(timeline)
+    print(
+        f"    timeline: span {summary['span']:.1f} µs, kernels busy {summary['busy']:.1f} µs, "
+        f"idle between kernels {summary['idle']:.1f} µs"
+    )
+    for row in summary["kernels"]:
+        if row["adds"] >= 1.0:
+            per = row["adds"] / row["launches"]
+            print(f"      {row['kernel'][:60]:60s} x{row['launches']:<3d} adds {row['adds']:8.1f} µs ({per:6.1f} each)")
 
 
 def _bf16() -> Any:
@@ -443,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
                     "ratio_to_torch": ratio,
                     "breakdown": ours["breakdown"],
                     "timeline": ours["timeline"],
+                    "timeline_summary": timeline_summary(ours["timeline"]) if ours["timeline"] else None,
                 }
             )
             if nb in (1, max(BATCHES)):
