@@ -187,7 +187,7 @@ def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[di
     """When each kernel of one step ran, as the graphs replay it: (node, kernel, start, end) in µs from the
     step's first kernel, from the CUDA profiler's kernel records (torch.profiler, i.e. CUPTI), of the last of
     three replayed steps. Unlike `_breakdown`, nothing separates the kernels, so under dependent launch a
-    kernel starts before the one before it ends; `end - previous end` is what the kernel adds to the step."""
+    kernel starts before the one before it ends; `timeline_summary` says what each adds to the step."""
     from torch.profiler import ProfilerActivity, profile
 
     labels = [(p.node, p.launch.name) for phase, dims in phases for p in phase.prepared(dims)]
@@ -236,9 +236,8 @@ def timeline_summary(timeline: list[dict[str, Any]]) -> dict[str, Any]:
     return {"span": span, "busy": busy, "idle": idle, "kernels": kernels}
 
 
-def _print_timeline(timeline: list[dict[str, Any]]) -> None:
-    """The summary as a table, every kernel that adds at least 1 µs."""
-    summary = timeline_summary(timeline)
+def _print_timeline(summary: dict[str, Any]) -> None:
+    """A `timeline_summary` as a table, every kernel that adds at least 1 µs."""
     print(
         f"    timeline: span {summary['span']:.1f} µs, kernels busy {summary['busy']:.1f} µs, "
         f"idle between kernels {summary['idle']:.1f} µs"
@@ -432,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
             ours = _ours(drafter, nb, rng, timeline=nb in args.timeline)
             nbytes = _step_bytes(drafter.manifest, nb)
             roof_ms = nbytes / bandwidth * 1e3
+            summary = timeline_summary(ours["timeline"]) if ours["timeline"] else None
             if torch_here:
                 import torch
 
@@ -461,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
                     "ratio_to_torch": ratio,
                     "breakdown": ours["breakdown"],
                     "timeline": ours["timeline"],
-                    "timeline_summary": timeline_summary(ours["timeline"]) if ours["timeline"] else None,
+                    "timeline_summary": summary,
                 }
             )
             if nb in (1, max(BATCHES)):
@@ -472,8 +472,8 @@ def run(args: argparse.Namespace) -> int:
                     by_kernel[kernel] = by_kernel.get(kernel, 0.0) + t
                 for kernel, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
                     print(f"      {kernel:48s} {t:9.1f} µs  {100 * t / total:5.1f}%")
-            if ours["timeline"]:
-                _print_timeline(ours["timeline"])
+            if summary:
+                _print_timeline(summary)
             if args.json:  # after every row: a run cut short by a time limit keeps what it measured
                 _write_json(Path(args.json), results)
             for seq in range(nb):
