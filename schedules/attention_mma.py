@@ -58,7 +58,28 @@ from .mma import mma_m16n8k16
 WARP = 32
 CHUNK = 16  # keys per chunk: the k of the P·V mma, two n-tiles of the Q·Kᵀ mma
 _NEG = -3.0e38  # as in attention.py: finite, so exp2 and max never see NaN
-_PAD = 8  # bf16 elements of padding per staged K/V row: 16 bytes, so fragment reads spread over the banks
+_PAD = 8  # bf16 elements of padding per staged K/V row where the rows are not swizzled (head_dim 32, 96)
+
+
+def staged_pitch(dim: int) -> int:
+    """bf16 elements per staged K/V row: unpadded where `staged_chunk` swizzles (head_dim 64, 128)."""
+    return dim if dim % 64 == 0 else dim + _PAD
+
+
+def staged_chunk(row: Any, chunk: Any, dim: int) -> Any:
+    """The 16-byte slot in its row where logical 16-byte chunk `chunk` of staged row `row` lies (ints or TIR).
+
+    A quarter warp's 16-byte reads are one shared-memory wavefront when they fall in 8 different 16-byte
+    bank groups. Q·Kᵀ's B fragments read 4 consecutive chunks of rows 2m and 2m + 1; P·V's read chunks
+    (gq·dim/64 + cv) of rows b, b + 2, b + 4, b + 6 (b = 8·k + kk % 2). XOR-ing the chunk's low 3 bits
+    with bit 2 = bit 0 of (row ^ row >> 2) (which tells 2m from 2m + 1, and rows b + 2tq apart in pairs)
+    and with (row >> 1) & 1 in the bit the gq half does not use (0 for head_dim 128, 1 for 64) puts both on
+    8 groups; rows padded by 16 bytes instead read 2 ways for both (tests/kernels/test_attention_mma.py
+    counts them). Rows stay whole 16-byte chunks, and the 8 chunks a quarter warp stages are one group."""
+    if dim % 64:
+        return chunk
+    low = 1 if dim == 64 else 0
+    return chunk ^ ((((row ^ (row >> 2)) & 1) << 2) | (((row >> 1) & 1) << low))
 
 
 @dataclass(frozen=True)
@@ -77,8 +98,9 @@ class MmaAttentionPlan:
         return WARP * self.warps * self.key_warps
 
     def shared_bytes(self, spec: BlockAttentionSpec) -> int:
-        """The staged K and V chunks of one group, padded rows."""
-        return 2 * self.warps * CHUNK * (spec.head_dim + _PAD) * 2
+        """The staged K and V chunks of one group; with key_warps > 1 at least the combine's floats."""
+        combine = (spec.head_dim // 2 + 4) * self.warps * WARP * 4 if self.key_warps > 1 else 0
+        return max(2 * self.warps * CHUNK * staged_pitch(spec.head_dim) * 2, combine)
 
 
 def mma_attention_fits(spec: BlockAttentionSpec, target: Target) -> bool:
@@ -151,7 +173,12 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     row_vectors = dim // 8  # 16-byte vectors per K/V row
     kw = plan.key_warps
     fetch = CHUNK * row_vectors // WARP // kw  # 16-byte vectors of K (and of V) a lane fetches per chunk
-    pitch = dim + _PAD
+    pitch = staged_pitch(dim)
+
+    def at(row: Any, chunk: Any) -> Any:
+        # element offset of 16-byte chunk `chunk` of staged row `row` (within K or V)
+        return row * pitch + staged_chunk(row, chunk, dim) * 8
+
     group_keys = warps * CHUNK
     q_scale = math.log2(math.e) / math.sqrt(dim)
     masked = spec.causal or spec.window is not None
@@ -162,7 +189,8 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     full = T.uint32(0xFFFFFFFF)
     mma = mma_m16n8k16()
     chunk_pages = (page + CHUNK - 2) // page + 1  # pages 16 consecutive keys can touch
-    red_values = vcols * 4 + 4  # a thread's outputs, (max, sum) of its two rows: fits the K/V staging exactly
+    red_values = vcols * 4 + 4  # a thread's outputs, (max, sum) of its two rows
+    kvs_elements = plan.shared_bytes(spec) // 2  # bf16 elements of the K/V staging (and the combine)
 
     def page_slot(pslot: Any, e: Any) -> Any:
         # entry e of the chunk's pages as a chain of selects: a dynamic index would put pslot in local memory
@@ -201,9 +229,9 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
             c = T.meta_var(((kg * fetch + i) * WARP + lane) // row_vectors)
             d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
             for x in T.vectorized(8):
-                ks[(w * CHUNK + c) * pitch + d0 + x] = kr[i, x]
+                ks[at(w * CHUNK + c, d0 // 8) + x] = kr[i, x]
             for x in T.vectorized(8):
-                vs[(w * CHUNK + c) * pitch + d0 + x] = vr[i, x]
+                vs[at(w * CHUNK + c, d0 // 8) + x] = vr[i, x]
 
     @T.macro
     def compute_tile(c, k0, ks, vs, qf, kl, kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
@@ -214,7 +242,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         for nt in T.unroll(nts):
             for st in T.unroll(steps):
                 for x in T.vectorized(8):
-                    kl[x] = ks[(c * kt * CHUNK + nt * 8 + gq) * pitch + st * 32 + tq * 8 + x]
+                    kl[x] = ks[at(c * kt * CHUNK + nt * 8 + gq, st * 4 + tq) + x]
                 for x in T.unroll(8):
                     kb[(nt * steps + st) * 8 + x] = kl[x]
         for nt in T.unroll(nts):
@@ -274,8 +302,11 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
             for kk in T.unroll(4):
                 for cv in T.unroll(vcols // vvec):
                     for x in T.vectorized(vvec):
-                        vl[kk, cv * vvec + x] = vs[((c * kt + ks_) * CHUNK + kk // 2 * 8 + tq * 2 + kk % 2) * pitch
-                                                   + gq * vcols + cv * vvec + x]  # fmt: skip
+                        vrow = T.meta_var((c * kt + ks_) * CHUNK + kk // 2 * 8 + tq * 2 + kk % 2)
+                        if dim % 64 == 0:  # whole 16-byte chunks gq·dim/64 + cv, swizzled
+                            vl[kk, cv * vvec + x] = vs[at(vrow, gq * (vcols // 8) + cv) + x]
+                        else:
+                            vl[kk, cv * vvec + x] = vs[vrow * pitch + gq * vcols + cv * vvec + x]
             for j in T.unroll(vcols):
                 for kk in T.unroll(4):
                     vb[j * 4 + kk] = vl[kk, j]
@@ -294,7 +325,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                 T.writes()
                                 # one allocation: the staged K, then V; at the end the warps' partial results
                                 # of the key_warps > 1 combine
-                                kvs = T.sblock_alloc_buffer((2 * group_keys * pitch,), DTYPE, scope="shared")
+                                kvs = T.sblock_alloc_buffer((kvs_elements,), DTYPE, scope="shared")
                                 ks = T.decl_buffer((group_keys * pitch,), DTYPE, data=kvs.data, scope="shared")
                                 vs = T.decl_buffer((group_keys * pitch,), DTYPE, data=kvs.data,
                                                    elem_offset=group_keys * pitch, scope="shared")  # fmt: skip

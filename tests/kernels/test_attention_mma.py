@@ -22,6 +22,8 @@ from dflash_compiler.schedules.attention_mma import (
     MmaAttentionPlan,
     fit_mma_attention,
     mma_attention_fits,
+    staged_chunk,
+    staged_pitch,
 )
 from dflash_compiler.schedules.base import ScheduleError
 from dflash_compiler.targets import SM90, SM120, SM121
@@ -63,7 +65,7 @@ def test_fit_rules():
     assert not mma_attention_fits(BlockAttentionSpec(16, 48, 4, 128, False), SM90)
     plan = fit_mma_attention(DSPARK, SM90, 16)
     assert plan == MmaAttentionPlan(warps=2, splits=16)
-    assert plan.shared_bytes(DSPARK) == 2 * 2 * 16 * (128 + 8) * 2
+    assert plan.shared_bytes(DSPARK) == 2 * 2 * 16 * 128 * 2  # K and V of 2 chunks, unpadded (swizzled) rows
     assert fit_mma_attention(DSPARK, SM90, 8, 4, 2, 96) == MmaAttentionPlan(2, 8, 4, 2, 96)
     for knobs, match in (
         ({"splits": 0}, "splits=0"),
@@ -145,3 +147,46 @@ def test_nvrtc_builds_for_each_sm(lowered, target):
         # TVM trims the last row's padding; the section may add the block's reserved bytes
         assert plan.shared_bytes(kernel.spec) - 64 <= shared[f"{kernel.name}_kernel"]
         assert shared[f"{kernel.name}_kernel"] <= target.max_static_shared_memory_per_block
+
+
+def _wavefronts(addresses):
+    """Shared-memory wavefronts of one quarter warp's 16-byte accesses (byte addresses): the most distinct
+    16-byte chunks that fall in one of the 8 bank groups (a chunk read twice is one broadcast)."""
+    groups: dict[int, set[int]] = {}
+    for a in addresses:
+        groups.setdefault(a // 16 % 8, set()).add(a // 16)
+    return max(len(chunks) for chunks in groups.values())
+
+
+def _fragment_reads(dim, slot):
+    """Each quarter warp's 16-byte reads of one tile's B fragments, as the kernel indexes them: Q·Kᵀ reads
+    chunk 4·st + tq of row 8·nt + gq; P·V reads chunk gq·dim/64 + cv of row 8·(kk // 2) + 2·tq + kk % 2.
+    `slot(row, chunk)` is the byte address of a chunk."""
+    for q in range(4):
+        lanes = [(lane // 4, lane % 4) for lane in range(8 * q, 8 * q + 8)]
+        for nt in range(2):
+            for st in range(dim // 32):
+                yield "k", [slot(nt * 8 + gq, st * 4 + tq) for gq, tq in lanes]
+        for kk in range(4):
+            for cv in range(dim // 64):
+                yield "v", [slot(kk // 2 * 8 + tq * 2 + kk % 2, gq * (dim // 64) + cv) for gq, tq in lanes]
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_staged_rows_are_read_in_one_wavefront(dim):
+    """The swizzled staging (`staged_chunk`) serves every quarter warp's fragment read in one wavefront; rows
+    padded by 16 bytes (the layout of head dims 32 and 96) would take two for P·V or Q·Kᵀ. Each row's chunks
+    stay a permutation within groups of 8, so a quarter warp staging 8 consecutive chunks writes 8 groups."""
+    pitch = staged_pitch(dim)
+    assert pitch == dim
+    swizzled, padded = {"k": 0, "v": 0}, {"k": 0, "v": 0}
+    for kind, a in _fragment_reads(dim, lambda r, c: r * pitch * 2 + staged_chunk(r, c, dim) * 16):
+        swizzled[kind] = max(swizzled[kind], _wavefronts(a))
+    for kind, a in _fragment_reads(dim, lambda r, c: r * (dim + 8) * 2 + c * 16):
+        padded[kind] = max(padded[kind], _wavefronts(a))
+    assert swizzled == {"k": 1, "v": 1}
+    assert max(padded.values()) == 2
+    for row in range(64):
+        for base in range(0, dim // 8, 8):
+            assert sorted(staged_chunk(row, base + c, dim) for c in range(8)) == list(range(base, base + 8))
+    assert staged_pitch(96) == 104 and staged_chunk(5, 3, 96) == 3
