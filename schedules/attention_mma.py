@@ -92,15 +92,17 @@ class MmaAttentionPlan:
     tile_chunks: int = 1  # chunks per softmax step (its max, rescale and shuffles amortised over 16·this keys)
     slots: int = 0  # > 0: the grid a batch's splits aim at (blocks); a larger batch takes fewer splits
     key_warps: int = 1  # warps per 16 query rows, each taking every key_warps-th tile of a group's keys
+    stages: int = 0  # 0: a group's K/V staged through registers; >= 2: a ring of this many groups, cp.async
 
     @property
     def threads(self) -> int:
         return WARP * self.warps * self.key_warps
 
     def shared_bytes(self, spec: BlockAttentionSpec) -> int:
-        """The staged K and V chunks of one group; with key_warps > 1 at least the combine's floats."""
+        """The staged K and V chunks of one group (of `stages` groups); with key_warps > 1 at least the
+        combine's floats."""
         combine = (spec.head_dim // 2 + 4) * self.warps * WARP * 4 if self.key_warps > 1 else 0
-        return max(2 * self.warps * CHUNK * staged_pitch(spec.head_dim) * 2, combine)
+        return max(max(self.stages, 1) * 2 * self.warps * CHUNK * staged_pitch(spec.head_dim) * 2, combine)
 
 
 def mma_attention_fits(spec: BlockAttentionSpec, target: Target) -> bool:
@@ -127,6 +129,7 @@ def fit_mma_attention(
     tile_chunks: int = 1,
     slots: int = 0,
     key_warps: int = 1,
+    stages: int = 0,
 ) -> MmaAttentionPlan:
     """The plan for `spec` (which `mma_attention_fits` `target`) with `splits` blocks per (sequence, kv head)."""
     if not 1 <= splits <= 256:
@@ -151,11 +154,19 @@ def fit_mma_attention(
             f"of a group (its {warps} chunks over tile_chunks={tile_chunks}) and the {vectors} vectors a warp "
             "fetches per chunk"
         )
-    plan = MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots, key_warps)
+    plan = MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots, key_warps, stages)
     if plan.threads > target.max_threads_per_block:
         raise ScheduleError(
             f"{AttentionMmaRule.name} knob key_warps={key_warps}: {plan.threads} threads, expected at most "
             f"{target.max_threads_per_block} on {target.name}; lower key_warps"
+        )
+    if stages == 1 or stages < 0:
+        raise ScheduleError(f"{AttentionMmaRule.name} knob stages={stages}: expected 0 (registers) or 2 and more")
+    limit = target.max_shared_memory_per_block if stages else target.max_static_shared_memory_per_block
+    if plan.shared_bytes(spec) > limit:
+        raise ScheduleError(
+            f"{AttentionMmaRule.name} knob stages={stages}: {plan.shared_bytes(spec)} bytes of shared memory, "
+            f"expected at most {limit} on {target.name}; fewer stages"
         )
     return plan
 
@@ -191,6 +202,10 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     chunk_pages = (page + CHUNK - 2) // page + 1  # pages 16 consecutive keys can touch
     red_values = vcols * 4 + 4  # a thread's outputs, (max, sum) of its two rows
     kvs_elements = plan.shared_bytes(spec) // 2  # bf16 elements of the K/V staging (and the combine)
+    slot_elements = 2 * group_keys * pitch  # one group's K and V
+    ahead = max(plan.stages - 1, 1)  # groups fetched beyond the one computed
+    async_copy = plan.stages > 0  # K/V copied straight into a ring of group slots
+    smem_scope = "shared.dyn" if async_copy else "shared"
 
     def page_slot(pslot: Any, e: Any) -> Any:
         # entry e of the chunk's pages as a chain of selects: a dynamic index would put pslot in local memory
@@ -200,23 +215,40 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         return out
 
     @T.macro
-    def fetch_chunk(kr, vr, pslot, kv, k, v, table, s, g, n, first, end, lane, kg):
-        # lane's share of one chunk: vectors (kg·fetch + i)·32 + lane of the chunk's [16 keys, dim/8 vectors]
-        # K and V (the chunk's key_warps warps take one part each). The table entries of the chunk's pages
-        # (2 for pages of 16) are read first, unguarded (clamped to the cache's last page), once per page
-        # rather than once per key in each key's branch
-        p0 = T.meta_var(T.min(first, end - 1) // page)
+    def read_table(pslot, table, s, n, first, end):
+        # the table entries of the pages a chunk's keys lie on (2 for pages of 16), unguarded (clamped to the
+        # cache's last page): read one group before that group's K/V, so its loads never wait for them
         for e in T.unroll(chunk_pages):
-            pslot[e] = table[s, T.min(p0 + e, T.max(T.min(n, end) - 1, 0) // page)]
+            pslot[e] = table[s, T.min(T.min(first, end - 1) // page + e, T.max(T.min(n, end) - 1, 0) // page)]
+
+    @T.macro
+    def fetch_chunk(kr, vr, kvs, base, pslot, kv, k, v, s, g, n, first, end, w, lane, kg):
+        # lane's share of one chunk: vectors (kg·fetch + i)·32 + lane of the chunk's [16 keys, dim/8 vectors]
+        # K and V (the chunk's key_warps warps take one part each), into registers (stages = 0) or straight
+        # into the group's slot at `base` of the ring (cp.async)
         for i in T.unroll(fetch):
             key = T.meta_var(T.min(first + ((kg * fetch + i) * WARP + lane) // row_vectors, end - 1))
             d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
+            dst = T.meta_var(base + at(w * CHUNK + ((kg * fetch + i) * WARP + lane) // row_vectors, d0 // 8))
             if key < n:
-                slot: T.let[T.int32] = page_slot(pslot, key // page - p0)
-                for x in T.vectorized(8):
-                    kr[i, x] = kv[0, slot, key % page, g, d0 + x]
-                for x in T.vectorized(8):
-                    vr[i, x] = kv[1, slot, key % page, g, d0 + x]
+                slot: T.let[T.int32] = page_slot(pslot, key // page - T.min(first, end - 1) // page)
+                if async_copy:
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        T.address_of(kvs[dst]), T.address_of(kv[0, slot, key % page, g, d0]), 16))  # fmt: skip
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        T.address_of(kvs[dst + group_keys * pitch]), T.address_of(kv[1, slot, key % page, g, d0]),
+                        16))  # fmt: skip
+                else:
+                    for x in T.vectorized(8):
+                        kr[i, x] = kv[0, slot, key % page, g, d0 + x]
+                    for x in T.vectorized(8):
+                        vr[i, x] = kv[1, slot, key % page, g, d0 + x]
+            elif async_copy:
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    T.address_of(kvs[dst]), T.address_of(k[s * blk + key - n, g * dim + d0]), 16))  # fmt: skip
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    T.address_of(kvs[dst + group_keys * pitch]), T.address_of(v[s * blk + key - n, g * dim + d0]),
+                    16))  # fmt: skip
             else:
                 for x in T.vectorized(8):
                     kr[i, x] = k[s * blk + key - n, g * dim + d0 + x]
@@ -224,17 +256,17 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                     vr[i, x] = v[s * blk + key - n, g * dim + d0 + x]
 
     @T.macro
-    def stage_chunk(kr, vr, ks, vs, w, lane, kg):
+    def stage_chunk(kr, vr, kvs, w, lane, kg):
         for i in T.unroll(fetch):
             c = T.meta_var(((kg * fetch + i) * WARP + lane) // row_vectors)
             d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
             for x in T.vectorized(8):
-                ks[at(w * CHUNK + c, d0 // 8) + x] = kr[i, x]
+                kvs[at(w * CHUNK + c, d0 // 8) + x] = kr[i, x]
             for x in T.vectorized(8):
-                vs[at(w * CHUNK + c, d0 // 8) + x] = vr[i, x]
+                kvs[group_keys * pitch + at(w * CHUNK + c, d0 // 8) + x] = vr[i, x]
 
     @T.macro
-    def compute_tile(c, k0, ks, vs, qf, kl, kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
+    def compute_tile(c, k0, kvs, base, qf, kl, kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
                      blk_positions, s, n, end, gq, tq):  # fmt: skip
         # S = Q·Kᵀ over the tile's 16·kt keys (the group's chunks c·kt ...): n-tile nt holds keys k0 + 8·nt + gq
         for i in T.unroll(4 * nts * chains):
@@ -242,7 +274,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         for nt in T.unroll(nts):
             for st in T.unroll(steps):
                 for x in T.vectorized(8):
-                    kl[x] = ks[at(c * kt * CHUNK + nt * 8 + gq, st * 4 + tq) + x]
+                    kl[x] = kvs[base + at(c * kt * CHUNK + nt * 8 + gq, st * 4 + tq) + x]
                 for x in T.unroll(8):
                     kb[(nt * steps + st) * 8 + x] = kl[x]
         for nt in T.unroll(nts):
@@ -303,10 +335,11 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                 for cv in T.unroll(vcols // vvec):
                     for x in T.vectorized(vvec):
                         vrow = T.meta_var((c * kt + ks_) * CHUNK + kk // 2 * 8 + tq * 2 + kk % 2)
+                        vbase = T.meta_var(base + group_keys * pitch)  # the slot's V
                         if dim % 64 == 0:  # whole 16-byte chunks gq·dim/64 + cv, swizzled
-                            vl[kk, cv * vvec + x] = vs[at(vrow, gq * (vcols // 8) + cv) + x]
+                            vl[kk, cv * vvec + x] = kvs[vbase + at(vrow, gq * (vcols // 8) + cv) + x]
                         else:
-                            vl[kk, cv * vvec + x] = vs[vrow * pitch + gq * vcols + cv * vvec + x]
+                            vl[kk, cv * vvec + x] = kvs[vbase + vrow * pitch + gq * vcols + cv * vvec + x]
             for j in T.unroll(vcols):
                 for kk in T.unroll(4):
                     vb[j * 4 + kk] = vl[kk, j]
@@ -323,14 +356,11 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                             with T.sblock("split"):
                                 T.reads()
                                 T.writes()
-                                # one allocation: the staged K, then V; at the end the warps' partial results
-                                # of the key_warps > 1 combine
-                                kvs = T.sblock_alloc_buffer((kvs_elements,), DTYPE, scope="shared")
-                                ks = T.decl_buffer((group_keys * pitch,), DTYPE, data=kvs.data, scope="shared")
-                                vs = T.decl_buffer((group_keys * pitch,), DTYPE, data=kvs.data,
-                                                   elem_offset=group_keys * pitch, scope="shared")  # fmt: skip
+                                # one allocation: per group slot the staged K, then V; at the end the warps'
+                                # partial results of the key_warps > 1 combine
+                                kvs = T.sblock_alloc_buffer((kvs_elements,), DTYPE, scope=smem_scope)
                                 red = T.decl_buffer((red_values, warps * WARP), "float32", data=kvs.data,
-                                                    scope="shared")  # fmt: skip
+                                                    scope=smem_scope)  # fmt: skip
                                 span = T.sblock_alloc_buffer((4,), "int32", scope="local")
                                 ql = T.sblock_alloc_buffer((8,), DTYPE, scope="local")
                                 qf = T.sblock_alloc_buffer((steps * 16,), DTYPE, scope="local")
@@ -384,23 +414,47 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                 for i in T.unroll(vcols * 4):
                                     oacc[i] = T.float32(0)
 
-                                if chunks > 0:
-                                    fetch_chunk(kr, vr, pslot, kv, k, v, block_table, s, g, n, start + w * CHUNK, end,
-                                                lane, kg)  # fmt: skip
+                                # the groups in flight: `ahead` beyond the one computed (its table entries one
+                                # further); group j's chunk w starts at key start + (j·warps + w)·16
+                                for j in T.unroll(ahead):
+                                    if j * warps < chunks:
+                                        read_table(pslot, block_table, s, n, start + (j * warps + w) * CHUNK, end)
+                                        fetch_chunk(kr, vr, kvs, j * slot_elements, pslot, kv, k, v, s, g, n,
+                                                    start + (j * warps + w) * CHUNK, end, w, lane, kg)  # fmt: skip
+                                    if async_copy:
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                                if ahead * warps < chunks:
+                                    read_table(pslot, block_table, s, n, start + (ahead * warps + w) * CHUNK, end)
                                 for grp in T.serial(T.ceildiv(chunks, warps)):
-                                    stage_chunk(kr, vr, ks, vs, w, lane, kg)
+                                    if async_copy:
+                                        T.evaluate(T.ptx["cp.async.wait_group"](plan.stages - 2))
+                                    else:
+                                        stage_chunk(kr, vr, kvs, w, lane, kg)
+                                    # group grp is staged; every warp left group grp - 1, whose slot refills
                                     T.tvm_storage_sync("shared")
-                                    if (grp + 1) * warps < chunks:
-                                        fetch_chunk(kr, vr, pslot, kv, k, v, block_table, s, g, n,
-                                                    start + ((grp + 1) * warps + w) * CHUNK, end, lane,
+                                    nxt = T.meta_var(grp + ahead)  # the group whose copies go out now
+                                    if nxt * warps < chunks:
+                                        fetch_chunk(kr, vr, kvs, nxt % max(plan.stages, 1) * slot_elements, pslot, kv,
+                                                    k, v, s, g, n, start + (nxt * warps + w) * CHUNK, end, w, lane,
                                                     kg)  # fmt: skip
+                                        if (nxt + 1) * warps < chunks:
+                                            read_table(pslot, block_table, s, n,
+                                                       start + ((nxt + 1) * warps + w) * CHUNK, end)  # fmt: skip
+                                    if async_copy:
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
                                     for cc in T.unroll(warps // kt // kw):
                                         c = T.meta_var(cc * kw + kg)
                                         # the last group's tiles past the split's chunks hold no key: skipped
                                         if grp * warps + c * kt < chunks:
-                                            compute_tile(c, start + (grp * warps + c * kt) * CHUNK, ks, vs, qf, kl,
-                                                         kb, vl, vb, sacc, pa, oacc, m_run, l_run, stat, q_at,
-                                                         blk_positions, s, n, end, gq, tq)  # fmt: skip
+                                            compute_tile(c, start + (grp * warps + c * kt) * CHUNK, kvs,
+                                                         grp % max(plan.stages, 1) * slot_elements, qf, kl, kb, vl,
+                                                         vb, sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions,
+                                                         s, n, end, gq, tq)  # fmt: skip
+                                    if not async_copy:
+                                        T.tvm_storage_sync("shared")  # the slot is staged again next group
+                                if async_copy and kw > 1:
+                                    # the combine reuses the ring: every copy landed, every warp left its group
+                                    T.evaluate(T.ptx["cp.async.wait_all"]())
                                     T.tvm_storage_sync("shared")
                                 for r in T.unroll(1, kw):
                                     # warps kg = r hand their (max, per-thread sum, outputs) to warps kg = 0, which
@@ -474,7 +528,7 @@ class AttentionMmaRule(FamilyRule):
     """
 
     name = "block_attention_mma"
-    knob_names = ("splits", "qk_chains", "tile_chunks", "slots", "key_warps")
+    knob_names = ("splits", "qk_chains", "tile_chunks", "slots", "key_warps", "stages")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {
@@ -483,6 +537,7 @@ class AttentionMmaRule(FamilyRule):
             "tile_chunks": 2,
             "slots": 4 * target.sm_count,
             "key_warps": 1,
+            "stages": 0,
         }
 
     def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
@@ -511,5 +566,6 @@ class AttentionMmaRule(FamilyRule):
             knobs["tile_chunks"],
             knobs["slots"],
             knobs["key_warps"],
+            knobs["stages"],
         )
         return attention_mma_func(spec, plan)

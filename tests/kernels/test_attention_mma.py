@@ -86,6 +86,15 @@ def test_fit_rules():
         AttentionMmaRule().apply(DSPARK, SM90, {"key_warps": 2})
     assert AttentionMmaRule().apply(DSPARK, SM90, {"key_warps": 2, "tile_chunks": 1}).knobs["key_warps"] == 2
     assert fit_mma_attention(QWEN3_8B, SM90, 16, 2, 2, 0, 2).threads == 256
+    # the ring: 2 or more group slots of 32 KiB, within the block's opt-in shared memory (99 KiB on sm_12x)
+    for knobs, target, match in (
+        ({"stages": 1}, SM90, "stages=1"),
+        ({"stages": 8}, SM90, "262144 bytes"),
+        ({"stages": 4}, SM121, "131072 bytes"),
+    ):
+        with pytest.raises(ScheduleError, match=match):
+            AttentionMmaRule().apply(QWEN3_8B, target, knobs)
+    assert fit_mma_attention(QWEN3_8B, SM121, 4, 2, 2, 0, 1, 3).shared_bytes(QWEN3_8B) == 3 * 32768
     with pytest.raises(ScheduleError, match="256 threads, expected at most 128"):
         fit_mma_attention(QWEN3_8B, SM90.model_copy(update={"max_threads_per_block": 128}), 16, 2, 2, 0, 2)
     knobs = AttentionMmaRule().default_knobs(SM121)
@@ -98,10 +107,12 @@ def lowered():
     out = {}
     for target in (SM90, SM120, SM121):
         kernels = [AttentionMmaRule().apply(s, target) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK, SMALL)]
-        # and two warps per row tile (their combine through the staging memory)
-        paired = AttentionMmaRule().apply(QWEN3_8B, target, {"key_warps": 2})
-        name = f"{paired.name}_key_warps2"
-        kernels.append(replace(paired, name=name, func=paired.func.with_attr("global_symbol", name)))
+        # two warps per row tile (their combine through the staging memory); K/V copied into a ring of 2
+        # group slots (cp.async, dynamic shared memory), with the combine over the ring
+        for knobs in ({"key_warps": 2}, {"stages": 2}, {"stages": 2, "key_warps": 2}):
+            other = AttentionMmaRule().apply(QWEN3_8B, target, knobs)
+            name = other.name + "".join(f"_{k}{v}" for k, v in knobs.items())
+            kernels.append(replace(other, name=name, func=other.func.with_attr("global_symbol", name)))
         out[target.name] = (kernels, lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target))
     return out
 
@@ -123,7 +134,10 @@ def test_kernel_table(lowered, target):
         split, merge = func.kernels
         grid, block, smem = split.launch_dims(env)
         assert grid == (splits, spec.kv_heads, 3) and block == (32, warps * kernel.knobs["key_warps"], 1)
-        assert smem == 0  # static: the staged chunks
+        plan = fit_mma_attention(spec, target, splits, key_warps=kernel.knobs["key_warps"],
+                                 stages=kernel.knobs["stages"])  # fmt: skip
+        # the staged chunks: static, or the ring in dynamic shared memory
+        assert smem == (plan.shared_bytes(spec) if plan.stages else 0)
         grid, block, _ = merge.launch_dims(env)
         per_block, threads = merge_blocking(spec)
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
@@ -143,9 +157,13 @@ def test_nvrtc_builds_for_each_sm(lowered, target):
     assert set(kernel_names(cubin)) == set(cuda.kernel_names())
     shared = static_shared_bytes(cubin)
     for kernel in kernels:
-        plan = fit_mma_attention(kernel.spec, target, kernel.knobs["splits"])
+        knobs = kernel.knobs
+        plan = fit_mma_attention(
+            kernel.spec, target, knobs["splits"], key_warps=knobs["key_warps"], stages=knobs["stages"]
+        )
         # TVM trims the last row's padding; the section may add the block's reserved bytes
-        assert plan.shared_bytes(kernel.spec) - 64 <= shared[f"{kernel.name}_kernel"]
+        static = plan.shared_bytes(kernel.spec) if not plan.stages else 0
+        assert static - 64 <= shared[f"{kernel.name}_kernel"] <= static + 1024
         assert shared[f"{kernel.name}_kernel"] <= target.max_static_shared_memory_per_block
 
 
