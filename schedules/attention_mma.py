@@ -10,7 +10,9 @@ Thread block = (split, kv head, sequence), `warps` = ceil(block·group / 16) war
 the rule); row r of the block's query rows is (block row r // group, head r % group of the kv head's group),
 as in the SIMT kernel. Keys go in groups of `warps` chunks of 16: warp w fetches chunk w of the next group
 into registers (16-byte loads, cached rows through the page table, then the block's own rows) while every
-warp computes the current group from shared memory; a barrier separates the two. A warp takes the group's
+warp computes the current group from shared memory; a barrier separates the two. With `stages` >= 2 the
+chunks are copied with cp.async straight into a ring of that many group slots, `stages - 1` groups ahead.
+A group's page-table entries are read one group before its K/V. A warp takes the group's
 chunks `tile_chunks` at a time (one softmax step of 16·tile_chunks keys), skipping the last group's tiles
 past the split's keys; per step:
 
@@ -74,8 +76,9 @@ def staged_chunk(row: Any, chunk: Any, dim: int) -> Any:
     (gq·dim/64 + cv) of rows b, b + 2, b + 4, b + 6 (b = 8·k + kk % 2). XOR-ing the chunk's low 3 bits
     with bit 2 = bit 0 of (row ^ row >> 2) (which tells 2m from 2m + 1, and rows b + 2tq apart in pairs)
     and with (row >> 1) & 1 in the bit the gq half does not use (0 for head_dim 128, 1 for 64) puts both on
-    8 groups; rows padded by 16 bytes instead read 2 ways for both (tests/kernels/test_attention_mma.py
-    counts them). Rows stay whole 16-byte chunks, and the 8 chunks a quarter warp stages are one group."""
+    8 groups; rows padded by 16 bytes instead take 2 wavefronts for Q·Kᵀ (and for P·V at head_dim 128;
+    tests/kernels/test_attention_mma.py counts them). Rows stay whole 16-byte chunks, and the 8 chunks a
+    quarter warp stages are one group."""
     if dim % 64:
         return chunk
     low = 1 if dim == 64 else 0
@@ -164,9 +167,10 @@ def fit_mma_attention(
         raise ScheduleError(f"{AttentionMmaRule.name} knob stages={stages}: expected 0 (registers) or 2 and more")
     limit = target.max_shared_memory_per_block if stages else target.max_static_shared_memory_per_block
     if plan.shared_bytes(spec) > limit:
+        fix = "fewer stages" if stages else "lower key_warps, or stages >= 2 (dynamic shared memory)"
         raise ScheduleError(
-            f"{AttentionMmaRule.name} knob stages={stages}: {plan.shared_bytes(spec)} bytes of shared memory, "
-            f"expected at most {limit} on {target.name}; fewer stages"
+            f"{AttentionMmaRule.name} knobs stages={stages}, key_warps={key_warps}: {plan.shared_bytes(spec)} "
+            f"bytes of shared memory, expected at most {limit} on {target.name}; {fix}"
         )
     return plan
 
@@ -513,7 +517,8 @@ class AttentionMmaRule(FamilyRule):
     length); `slots`, the grid a batch's splits aim at (0: off), so a larger batch takes fewer splits;
     `tile_chunks`, chunks per softmax step (by default the most, up to 2, that divide the warps);
     `qk_chains`, accumulator chains of Q·Kᵀ; `key_warps`, warps per 16 query rows, which take turns over a
-    group's tiles and combine their results through shared memory at the end.
+    group's tiles and combine their results through shared memory at the end; `stages`, 0 to stage each
+    group's K/V through registers, or the group slots of a cp.async ring in dynamic shared memory.
 
     Defaults from the H200 (bench/attention.py shapes, Qwen3-8B drafter, 4096 cached keys; µs of split +
     merge with the launch): 4 blocks per SM of slots (two waves of the two blocks an SM holds at the
