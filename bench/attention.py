@@ -13,6 +13,10 @@ lengths), and 3 sequences of at most 80 rows (empty splits, chunks cut by the sp
 knobs, at 1, 3, 8 and 16 sequences and at three lengths of one sequence, to compare schedules in one run:
 
     python bench/attention.py -o build/attn_knobs --variant splits=16 --variant splits=16,slots=528
+
+`--knobs` sets knobs of every mask variant instead (the check of a schedule across masks and shapes):
+
+    python bench/attention.py -o build/attn_ring --knobs stages=3
 """
 
 from __future__ import annotations
@@ -43,12 +47,19 @@ SIZES = (("long nb=1", 1, 258), ("short nb=3", 3, 5), ("long nb=8", 8, 258))
 VARIANT_SIZES = (("long nb=16", 16, 258), ("nb=1 1k", 1, 66), ("nb=1 256", 1, 18))
 
 
+def _knobs(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="sm_90")
     parser.add_argument("--rule", default="block_attention_mma", choices=["block_attention_mma", "block_attention"])
     parser.add_argument(
         "--variant", action="append", default=[], help="knob set 'name=value,...' of the Qwen3-8B kernel (repeatable)"
+    )
+    parser.add_argument(
+        "--knobs", default="", help="knob set 'name=value,...' applied to every mask variant (without --variant)"
     )
     parser.add_argument("-o", "--out", required=True)
     args = parser.parse_args()
@@ -68,7 +79,7 @@ def main() -> int:
     if args.variant:
         spec = BlockAttentionSpec(*VARIANTS[0])
         for text in args.variant:
-            knobs = {k: int(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+            knobs = _knobs(text)
             kernel = rule.apply(spec, target, knobs)
             if kernel is None:
                 raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")
@@ -79,7 +90,7 @@ def main() -> int:
                 cases.append(CheckCase(name, sizes, label))
     for block, heads, kv_heads, dim, causal, window, page_size in () if args.variant else VARIANTS:
         spec = BlockAttentionSpec(block, heads, kv_heads, dim, causal, window, page_size)
-        kernel = rule.apply(spec, target)
+        kernel = rule.apply(spec, target, _knobs(args.knobs))
         if kernel is None:
             raise SystemExit(f"{args.rule} does not take {spec.name} on {target.name}")
         kernels.append(kernel)
