@@ -21,10 +21,12 @@ past the split's keys; per step:
   thread: mma j of a 32-wide step takes logical 2t+e ↦ 8t + 4j + e and 2t+8+e ↦ 8t + 4j + 2 + e. The
   head_dim / 16 mmas of one 8-key tile accumulate into `qk_chains` separate accumulators, summed after,
   so the chain of dependent mmas (each waits for the last one's result) is that many times shorter.
-* online softmax in base 2 on the S accumulators: a row's scores sit in the 4 threads of a lane quad,
+* online softmax in base 2 on the raw S accumulators: a row's scores sit in the 4 threads of a lane quad,
   whose max is combined with two xor shuffles; the running sum stays per thread until the end. The max,
   the shuffles and the rescale of the output accumulators (head_dim / 2 multiplies per thread) happen once
-  per step, so a step of several chunks spends them on more keys.
+  per step, so a step of several chunks spends them on more keys. A weight costs one FFMA (scale and
+  subtract the max) and one `ex2.approx` (fast_exp2.py); keys are compared against the split's end only
+  in a tile that reaches past it (the causal and window masks compare every key).
 * O += P·V per chunk of the step: the S accumulators of the chunk's two 8-key tiles are exactly the A
   fragment of P (keys in natural order). For V the output columns are permuted instead: column g of
   d-tile j is head-dim element g·(dim/8) + j, so a thread's B fragments for all d-tiles come from 2–4
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_compiler.dependent_launch import WAIT
+from dflash_compiler.fast_exp2 import EXP2
 from dflash_compiler.targets import Target
 
 from .attention import (
@@ -196,6 +199,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
 
     group_keys = warps * CHUNK
     q_scale = math.log2(math.e) / math.sqrt(dim)
+    floor = _NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
     masked = spec.causal or spec.window is not None
     split_span = split_span_macro(spec, splits, CHUNK, plan.slots)
     chains = plan.qk_chains
@@ -210,6 +214,9 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     ahead = max(plan.stages - 1, 1)  # groups fetched beyond the one computed
     async_copy = plan.stages > 0  # K/V copied straight into a ring of group slots
     smem_scope = "shared.dyn" if async_copy else "shared"
+
+    def exp2(x: Any) -> Any:
+        return T.call_extern("float32", EXP2, x)
 
     def page_slot(pslot: Any, e: Any) -> Any:
         # entry e of the chunk's pages as a chain of selects: a dynamic index would put pslot in local memory
@@ -289,11 +296,13 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                         ((st * 2 + j) % chains) * 4 * nts + nt * 4)  # fmt: skip
         for i in T.unroll(4 * nts * (chains - 1)):
             sacc[i % (4 * nts)] = sacc[i % (4 * nts)] + sacc[4 * nts + i]
-        # scores in base 2; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2
-        for nt in T.unroll(nts):
-            for e in T.unroll(4):
-                key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
-                if masked:
+        # raw scores; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2. Hidden
+        # keys score _NEG; without a mask only the split's last tile holds keys past its end, so only a
+        # tile that reaches past `end` compares keys (a branch the whole block takes alike)
+        if masked:
+            for nt in T.unroll(nts):
+                for e in T.unroll(4):
+                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
                     sacc[nt * 4 + e] = T.if_then_else(
                         tirx.all(
                             key < end,
@@ -305,25 +314,30 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                 ),
                             ),
                         ),
-                        sacc[nt * 4 + e] * q_scale,
+                        sacc[nt * 4 + e],
                         T.float32(_NEG),
                     )
-                else:
-                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e] * q_scale, T.float32(_NEG))
+        elif k0 + nts * 8 > end:
+            for nt in T.unroll(nts):
+                for e in T.unroll(4):
+                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
+                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(_NEG))
+        # online softmax in base 2: the running max m_run is in scaled units (q_scale > 0 keeps the raw
+        # order), a weight is 2^(raw · q_scale - max), one FFMA and one ex2. A row that has seen only hidden
+        # keys has max _NEG · q_scale; its weights are taken against `floor` instead, so they are 0, not 1
         for h in T.unroll(2):
             stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
             for nt in T.unroll(1, nts):
                 stat[h] = T.max(stat[h], T.max(sacc[nt * 4 + h * 2], sacc[nt * 4 + h * 2 + 1]))
             stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
             stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
-            stat[h] = T.max(m_run[h], stat[h])  # the new running max
-            stat[2 + h] = T.exp2(m_run[h] - stat[h])  # rescale of what came before
+            stat[h] = T.max(m_run[h], stat[h] * q_scale)  # the new running max
+            stat[2 + h] = exp2(m_run[h] - stat[h])  # rescale of what came before
             m_run[h] = stat[h]
+            stat[h] = T.max(stat[h], T.float32(floor))
         for nt in T.unroll(nts):
             for e in T.unroll(4):
-                sacc[nt * 4 + e] = T.if_then_else(
-                    sacc[nt * 4 + e] > T.float32(_NEG * 0.5), T.exp2(sacc[nt * 4 + e] - stat[e // 2]), T.float32(0)
-                )
+                sacc[nt * 4 + e] = exp2(sacc[nt * 4 + e] * q_scale - stat[e // 2])
                 pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
         for h in T.unroll(2):
             l_run[h] = l_run[h] * stat[2 + h]
@@ -473,8 +487,8 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                     if kg == 0:
                                         for h in T.unroll(2):
                                             stat[h] = T.max(m_run[h], red[h, me])
-                                            stat[2 + h] = T.exp2(red[h, me] - stat[h])
-                                            m_run[h] = T.exp2(m_run[h] - stat[h])  # own factor; max set below
+                                            stat[2 + h] = exp2(red[h, me] - stat[h])
+                                            m_run[h] = exp2(m_run[h] - stat[h])  # own factor; max set below
                                             l_run[h] = l_run[h] * m_run[h] + red[2 + h, me] * stat[2 + h]
                                         for i in T.unroll(vcols * 4):
                                             oacc[i] = (oacc[i] * m_run[i % 4 // 2]
@@ -530,6 +544,11 @@ class AttentionMmaRule(FamilyRule):
     One warp per row tile: two (226 registers, one 256-thread block per SM) took 25.5 against 25.6 µs for
     one sequence and 65.1 / 141.4 against 52.4 / 124.1 at nb = 8 / 16. Halving a warp's multiplies per group
     left one sequence's time where it was: the group's K/V loads, issued one group ahead, set the pace there.
+
+    Swizzled unpadded rows (one wavefront per fragment read) with the table read a group ahead, 16 splits
+    for every batch: 24.8 / 49.6 / 110.3 µs at nb = 1 / 8 / 16 against 25.6 / 52.8 / 124.2 with padded rows.
+    The cp.async ring gave nothing on top: 25.8 / 49.6 / 109.9 with two slots, 25.7 / 50.3 / 110.2 with
+    three, 26.1 / 63.7 / 137.9 with four (its shared memory leaves one block per SM), so stages stays 0.
     """
 
     name = "block_attention_mma"

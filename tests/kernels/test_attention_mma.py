@@ -147,6 +147,21 @@ def test_kernel_table(lowered, target):
 
 
 @pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
+def test_softmax_weights_take_one_ex2(lowered, target):
+    """The split kernels' exponentials are the prelude's single `ex2.approx.ftz` (fast_exp2.py), not CUDA's
+    exp2f with its subnormal range fix; the scale by 1/sqrt(d)·log2(e) happens in the exponent's FFMA."""
+    from dflash_compiler.dependent_launch import kernel_bodies
+    from dflash_compiler.fast_exp2 import EXP2
+
+    kernels, cuda = lowered[target.name]
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    assert f"float {EXP2}(float x)" in cuda.source and "ex2.approx.ftz.f32" in cuda.source
+    for kernel in kernels:
+        split = bodies[cuda.functions[kernel.name].kernels[0].name]
+        assert f"{EXP2}(" in split and "exp2f(" not in split, kernel.name
+
+
+@pytest.mark.parametrize("target", [SM90, SM120, SM121], ids=lambda t: t.name)
 def test_nvrtc_builds_for_each_sm(lowered, target):
     from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
     from dflash_compiler.nvrtc import compile_cubin
