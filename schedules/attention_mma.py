@@ -12,7 +12,9 @@ as in the SIMT kernel. Keys go in groups of `warps` chunks of 16: warp w fetches
 into registers (16-byte loads, cached rows through the page table, then the block's own rows) while every
 warp computes the current group from shared memory; a barrier separates the two. With `stages` >= 2 the
 chunks are copied with cp.async straight into a ring of that many group slots, `stages - 1` groups ahead.
-A group's page-table entries are read one group before its K/V. A warp takes the group's
+A group's page-table entries are read one group before its K/V. Before the wait for inputs, the first
+`prefetch` groups' cached K/V lines are prefetched into L2 (their addresses from the step's host-written
+lengths and tables, read again after the wait). A warp takes the group's
 chunks `tile_chunks` at a time (one softmax step of 16·tile_chunks keys), skipping the last group's tiles
 past the split's keys; per step:
 
@@ -44,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_compiler.dependent_launch import WAIT
+from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
 from dflash_compiler.fast_exp2 import EXP2
 from dflash_compiler.targets import Target
 
@@ -63,6 +65,7 @@ from .mma import mma_m16n8k16
 WARP = 32
 CHUNK = 16  # keys per chunk: the k of the P·V mma, two n-tiles of the Q·Kᵀ mma
 _NEG = -3.0e38  # as in attention.py: finite, so exp2 and max never see NaN
+LINE_ELEMENTS = 64  # bf16 elements of a 128-byte cache line
 _PAD = 8  # bf16 elements of padding per staged K/V row where the rows are not swizzled (head_dim 32, 96)
 
 
@@ -99,6 +102,7 @@ class MmaAttentionPlan:
     slots: int = 0  # > 0: the grid a batch's splits aim at (blocks); a larger batch takes fewer splits
     key_warps: int = 1  # warps per 16 query rows, each taking every key_warps-th tile of a group's keys
     stages: int = 0  # 0: a group's K/V staged through registers; >= 2: a ring of this many groups, cp.async
+    prefetch: int = 0  # groups whose cached K/V lines are prefetched into L2 before the wait for inputs
 
     @property
     def threads(self) -> int:
@@ -136,6 +140,7 @@ def fit_mma_attention(
     slots: int = 0,
     key_warps: int = 1,
     stages: int = 0,
+    prefetch: int = 0,
 ) -> MmaAttentionPlan:
     """The plan for `spec` (which `mma_attention_fits` `target`) with `splits` blocks per (sequence, kv head)."""
     if not 1 <= splits <= 256:
@@ -160,7 +165,12 @@ def fit_mma_attention(
             f"of a group (its {warps} chunks over tile_chunks={tile_chunks}) and the {vectors} vectors a warp "
             "fetches per chunk"
         )
-    plan = MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots, key_warps, stages)
+    if not 0 <= prefetch <= 16:
+        raise ScheduleError(
+            f"{AttentionMmaRule.name} knob prefetch={prefetch}: expected 0 (off) to 16 groups prefetched before "
+            "the wait for inputs"
+        )
+    plan = MmaAttentionPlan(warps, splits, qk_chains, tile_chunks, slots, key_warps, stages, prefetch)
     if plan.threads > target.max_threads_per_block:
         raise ScheduleError(
             f"{AttentionMmaRule.name} knob key_warps={key_warps}: {plan.threads} threads, expected at most "
@@ -231,6 +241,29 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         # cache's last page): read one group before that group's K/V, so its loads never wait for them
         for e in T.unroll(chunk_pages):
             pslot[e] = table[s, T.min(T.min(first, end - 1) // page + e, T.max(T.min(n, end) - 1, 0) // page)]
+
+    @T.macro
+    def locate(span, s, n, p, blk_positions, nb):
+        # split p's keys [span[0], span[2]) of sequence s (n cached rows), span[3] chunks of them
+        split_span(span, s, n, blk_positions, nb)
+        span[0] = span[0] + p * span[1]
+        span[2] = T.min(span[0] + span[1], n + blk)
+        span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], CHUNK), 0)
+
+    @T.macro
+    def prefetch_chunk(pslot, kv, g, n, first, end, lane, kg):
+        # the 128-byte lines of the chunk's cached K and V rows that fetch_chunk will load: a lane whose
+        # vector starts a line prefetches it (a row of one kv head is dim·2 contiguous bytes); the slot is
+        # clamped into the cache, since a prefetch's address must be valid
+        for i in T.unroll(fetch):
+            key = T.meta_var(T.min(first + ((kg * fetch + i) * WARP + lane) // row_vectors, end - 1))
+            d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
+            if key < n and d0 % LINE_ELEMENTS == 0:
+                slot: T.let[T.int32] = T.max(
+                    T.min(page_slot(pslot, key // page - T.min(first, end - 1) // page), kv.shape[1] - 1), 0
+                )
+                for half in T.unroll(2):
+                    T.evaluate(T.call_extern("void", PREFETCH_L2, T.address_of(kv[half, slot, key % page, g, d0])))
 
     @T.macro
     def fetch_chunk(kr, vr, kvs, base, pslot, kv, k, v, s, g, n, first, end, w, lane, kg):
@@ -404,15 +437,25 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                 me = T.meta_var(w * WARP + lane)  # the thread's column of `red`
                                 # waits first and never triggers: its dependents, launched early, would sit
                                 # resident beside it for its whole run (dependent_launch.py)
-                                T.evaluate(T.call_extern("void", WAIT))
-                                n: T.let[T.int32] = cache_lens[s]
-                                split_span(span, s, n, blk_positions, nb)
-                                span[0] = span[0] + p * span[1]
-                                span[2] = T.min(span[0] + span[1], n + blk)
-                                span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], CHUNK), 0)
                                 start = T.meta_var(span[0])
                                 end = T.meta_var(span[2])
                                 chunks = T.meta_var(span[3])
+                                if plan.prefetch > 0:
+                                    # before the wait, the step's lengths and block tables (the host writes
+                                    # them, no kernel of the step does) locate the first groups' cached K/V,
+                                    # prefetched into L2 while the kernel before drains. Only prefetches use
+                                    # them: after the wait everything is read again, so a stale value could
+                                    # cost a useless prefetch, never a wrong result
+                                    n_early: T.let[T.int32] = cache_lens[s]
+                                    locate(span, s, n_early, p, blk_positions, nb)
+                                    for j in T.unroll(plan.prefetch):
+                                        if j * warps < chunks:
+                                            first_key = T.meta_var(start + (j * warps + w) * CHUNK)
+                                            read_table(pslot, block_table, s, n_early, first_key, end)
+                                            prefetch_chunk(pslot, kv, g, n_early, first_key, end, lane, kg)
+                                T.evaluate(T.call_extern("void", WAIT))
+                                n: T.let[T.int32] = cache_lens[s]
+                                locate(span, s, n, p, blk_positions, nb)
 
                                 # Q fragments of rows gq, gq + 8 of this warp (rows past the block read the last)
                                 for h in T.unroll(2):
@@ -532,7 +575,9 @@ class AttentionMmaRule(FamilyRule):
     `tile_chunks`, chunks per softmax step (by default the most, up to 2, that divide the warps);
     `qk_chains`, accumulator chains of Q·Kᵀ; `key_warps`, warps per 16 query rows, which take turns over a
     group's tiles and combine their results through shared memory at the end; `stages`, 0 to stage each
-    group's K/V through registers, or the group slots of a cp.async ring in dynamic shared memory.
+    group's K/V through registers, or the group slots of a cp.async ring in dynamic shared memory;
+    `prefetch`, the groups whose cached K/V lines go to L2 before the wait for inputs (dependent_launch.py),
+    so under a dependent launch they stream while the kernel before drains.
 
     Defaults from the H200 (bench/attention.py shapes, Qwen3-8B drafter, 4096 cached keys; µs of split +
     merge with the launch): 4 blocks per SM of slots (two waves of the two blocks an SM holds at the
@@ -552,7 +597,7 @@ class AttentionMmaRule(FamilyRule):
     """
 
     name = "block_attention_mma"
-    knob_names = ("splits", "qk_chains", "tile_chunks", "slots", "key_warps", "stages")
+    knob_names = ("splits", "qk_chains", "tile_chunks", "slots", "key_warps", "stages", "prefetch")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {
@@ -562,6 +607,7 @@ class AttentionMmaRule(FamilyRule):
             "slots": 4 * target.sm_count,
             "key_warps": 1,
             "stages": 0,
+            "prefetch": 2,
         }
 
     def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
@@ -591,5 +637,6 @@ class AttentionMmaRule(FamilyRule):
             knobs["slots"],
             knobs["key_warps"],
             knobs["stages"],
+            knobs["prefetch"],
         )
         return attention_mma_func(spec, plan)

@@ -77,14 +77,37 @@ def assert_only_weights_before_the_wait(source: str, name: str) -> None:
     assert early <= {"w_ptr"}, (name, early)
 
 
-def assert_split_waits_and_merge_triggers(source: str, split: str, merge: str) -> None:
-    """An attention split kernel waits for its inputs before it reads any and never lets its dependents
-    in early (they would sit resident beside it for its whole run); its merge kernel, a short one, waits
-    and then lets the next grid in, first thing (dependent_launch.py)."""
+def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
+    """Attention split kernel `name` waits once for its inputs; before that wait it reads only the step's
+    host-written lengths, block tables and positions, and touches the K/V cache only through L2 prefetches
+    (dependent_launch.py): no value it computes with comes from before the wait."""
+    import re
+
+    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
+
+    start, end = kernel_bodies(source)[name]
+    body = source[start:end]
+    assert body.count(f"{WAIT}();") == 1, name
+    early = body[: body.index(f"{WAIT}();")]
+    signature = source[source.rfind("\n", 0, start - 1) + 1 : start]
+    params = set(re.findall(r"(\w+_ptr)\b", signature))
+    touched = params & set(re.findall(r"(\w+_ptr)\b", early))
+    assert touched <= {"cache_lens_ptr", "block_table_ptr", "blk_positions_ptr", "kv_ptr"}, (name, touched)
+    assert early.count("kv_ptr[") == early.count(f"{PREFETCH_L2}((&(kv_ptr["), name
+
+
+def assert_split_waits_and_merge_triggers(source: str, split: str, merge: str, prefetch: bool = False) -> None:
+    """An attention split kernel waits for its inputs before it reads any (with `prefetch`: before it
+    computes with any) and never lets its dependents in early (they would sit resident beside it for its
+    whole run); its merge kernel, a short one, waits and then lets the next grid in, first thing
+    (dependent_launch.py)."""
     from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
 
     bodies = {name: source[slice(*span)] for name, span in kernel_bodies(source).items()}
-    assert_only_weights_before_the_wait(source, split)
+    if prefetch:
+        assert_only_prefetches_before_the_wait(source, split)
+    else:
+        assert_only_weights_before_the_wait(source, split)
     assert LAUNCH_DEPENDENTS not in bodies[split], split
     assert bodies[merge].split("\n")[1:3] == [f"  {WAIT}();", f"  {LAUNCH_DEPENDENTS}();"], merge
 

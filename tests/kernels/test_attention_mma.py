@@ -141,7 +141,7 @@ def test_kernel_table(lowered, target):
         grid, block, _ = merge.launch_dims(env)
         per_block, threads = merge_blocking(spec)
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
-        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name)
+        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, kernel.knobs["prefetch"] > 0)
     assert cuda.source.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 2 * len(kernels)
     assert "__shfl_xor_sync" in cuda.source
 
@@ -223,3 +223,22 @@ def test_staged_rows_are_read_in_one_wavefront(dim):
         for base in range(0, dim // 8, 8):
             assert sorted(staged_chunk(row, base + c, dim) for c in range(8)) == list(range(base, base + 8))
     assert staged_pitch(96) == 104 and staged_chunk(5, 3, 96) == 3
+
+
+def test_cached_kv_is_prefetched_before_the_wait():
+    """The default split kernel prefetches its first two groups' cached K/V lines into L2 before it waits
+    for its inputs: per lane and group, one prefetch per 16-byte vector that starts a 128-byte line, for K
+    and V (fetch_chunk's loads, as lines); prefetch=0 leaves the wait first, and the knob is bounded."""
+    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
+
+    kernels = [AttentionMmaRule().apply(QWEN3_8B, SM90, knobs) for knobs in ({}, {"prefetch": 0})]
+    kernels[1] = replace(kernels[1], name="off", func=kernels[1].func.with_attr("global_symbol", "off"))
+    cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), SM90)
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    early = [bodies[cuda.functions[k.name].kernels[0].name].split(f"{WAIT}();")[0] for k in kernels]
+    assert kernels[0].knobs["prefetch"] == 2
+    # 2 groups x 8 vectors a lane fetches per chunk x (K, V); a lane prefetches where its vector starts a line
+    assert early[0].count(f"{PREFETCH_L2}(") == 2 * 8 * 2 and "% 8) == 0" in early[0]
+    assert PREFETCH_L2 not in early[1] and "kv_ptr" not in early[1]
+    with pytest.raises(ScheduleError, match="prefetch=17"):
+        AttentionMmaRule().apply(QWEN3_8B, SM90, {"prefetch": 17})
