@@ -587,13 +587,17 @@ class AttentionMmaRule(FamilyRule):
     and one. One sequence keeps its 16 splits (29.5 µs either way; 8 splits: 35.2).
 
     One warp per row tile: two (226 registers, one 256-thread block per SM) took 25.5 against 25.6 µs for
-    one sequence and 65.1 / 141.4 against 52.4 / 124.1 at nb = 8 / 16. Halving a warp's multiplies per group
-    left one sequence's time where it was: the group's K/V loads, issued one group ahead, set the pace there.
+    one sequence and 65.1 / 141.4 against 52.4 / 124.1 at nb = 8 / 16.
 
     Swizzled unpadded rows (one wavefront per fragment read) with the table read a group ahead, 16 splits
     for every batch: 24.8 / 49.6 / 110.3 µs at nb = 1 / 8 / 16 against 25.6 / 52.8 / 124.2 with padded rows.
     The cp.async ring gave nothing on top: 25.8 / 49.6 / 109.9 with two slots, 25.7 / 50.3 / 110.2 with
     three, 26.1 / 63.7 / 137.9 with four (its shared memory leaves one block per SM), so stages stays 0.
+    Neither more loads in flight (the ring) nor more blocks per SM (two slots at 168 registers, three blocks
+    per SM: 23.7 / 48.7 / 99.4 against 23.0 / 47.0 / 101.1) moves it: each warp's chain of dependent work
+    per group sets the pace, which is why fewer instructions per score (one FFMA and one ex2) did.
+    Prefetching two groups before the wait: the split kernel added 74.0 µs to a one-sequence drafter step
+    (five layers) against 78.8-79.3 without; at nb = 8, 372.4 against 366.8-372.2.
     """
 
     name = "block_attention_mma"
