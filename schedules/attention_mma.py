@@ -235,6 +235,18 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
             out = T.if_then_else(e == i, pslot[i], out)
         return out
 
+    def vector_row(i: int, lane: Any, kg: Any) -> Any:
+        # the chunk row (key) of lane's i-th 16-byte vector of a chunk's K or V (key_warps part kg)
+        return ((kg * fetch + i) * WARP + lane) // row_vectors
+
+    def vector_d0(i: int, lane: Any, kg: Any) -> Any:
+        # the first head-dim element of that vector
+        return ((kg * fetch + i) * WARP + lane) % row_vectors * 8
+
+    def key_slot(pslot: Any, key: Any, first: Any, end: Any) -> Any:
+        # the cache page slot of `key`, from the chunk's table entries (read_table)
+        return page_slot(pslot, key // page - T.min(first, end - 1) // page)
+
     @T.macro
     def read_table(pslot, table, s, n, first, end):
         # the table entries of the pages a chunk's keys lie on (2 for pages of 16), unguarded (clamped to the
@@ -256,12 +268,10 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         # vector starts a line prefetches it (a row of one kv head is dim·2 contiguous bytes); the slot is
         # clamped into the cache, since a prefetch's address must be valid
         for i in T.unroll(fetch):
-            key = T.meta_var(T.min(first + ((kg * fetch + i) * WARP + lane) // row_vectors, end - 1))
-            d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
+            key = T.meta_var(T.min(first + vector_row(i, lane, kg), end - 1))
+            d0 = T.meta_var(vector_d0(i, lane, kg))
             if key < n and d0 % LINE_ELEMENTS == 0:
-                slot: T.let[T.int32] = T.max(
-                    T.min(page_slot(pslot, key // page - T.min(first, end - 1) // page), kv.shape[1] - 1), 0
-                )
+                slot: T.let[T.int32] = T.max(T.min(key_slot(pslot, key, first, end), kv.shape[1] - 1), 0)
                 for half in T.unroll(2):
                     T.evaluate(T.call_extern("void", PREFETCH_L2, T.address_of(kv[half, slot, key % page, g, d0])))
 
@@ -271,11 +281,11 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         # K and V (the chunk's key_warps warps take one part each), into registers (stages = 0) or straight
         # into the group's slot at `base` of the ring (cp.async)
         for i in T.unroll(fetch):
-            key = T.meta_var(T.min(first + ((kg * fetch + i) * WARP + lane) // row_vectors, end - 1))
-            d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
-            dst = T.meta_var(base + at(w * CHUNK + ((kg * fetch + i) * WARP + lane) // row_vectors, d0 // 8))
+            key = T.meta_var(T.min(first + vector_row(i, lane, kg), end - 1))
+            d0 = T.meta_var(vector_d0(i, lane, kg))
+            dst = T.meta_var(base + at(w * CHUNK + vector_row(i, lane, kg), d0 // 8))
             if key < n:
-                slot: T.let[T.int32] = page_slot(pslot, key // page - T.min(first, end - 1) // page)
+                slot: T.let[T.int32] = key_slot(pslot, key, first, end)
                 if async_copy:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
                         T.address_of(kvs[dst]), T.address_of(kv[0, slot, key % page, g, d0]), 16))  # fmt: skip
@@ -302,8 +312,8 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     @T.macro
     def stage_chunk(kr, vr, kvs, w, lane, kg):
         for i in T.unroll(fetch):
-            c = T.meta_var(((kg * fetch + i) * WARP + lane) // row_vectors)
-            d0 = T.meta_var(((kg * fetch + i) * WARP + lane) % row_vectors * 8)
+            c = T.meta_var(vector_row(i, lane, kg))
+            d0 = T.meta_var(vector_d0(i, lane, kg))
             for x in T.vectorized(8):
                 kvs[at(w * CHUNK + c, d0 // 8) + x] = kr[i, x]
             for x in T.vectorized(8):

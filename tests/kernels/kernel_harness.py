@@ -55,35 +55,12 @@ def kernel_body(source: str, name: str) -> str:
     return found.group(1)
 
 
-def assert_only_weights_before_the_wait(source: str, name: str) -> None:
-    """Kernel `name` of `source` waits once for its inputs (dependent_launch.py) and, before that wait,
-    touches no parameter but the weight `w`: under a dependent launch everything else may still be in
-    the making. A kernel that waits first touches nothing before it; one that lets its dependents in
-    does so after its wait."""
+def _before_the_wait(source: str, name: str) -> tuple[str, str, set[str]]:
+    """Kernel `name`'s body, the part of it before its one wait for inputs, and the pointer parameters that
+    part mentions."""
     import re
 
-    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
-
-    start, end = kernel_bodies(source)[name]
-    body = source[start:end]
-    assert body.count(f"{WAIT}();") == 1, name
-    trigger = body.find(f"{LAUNCH_DEPENDENTS}();")
-    assert trigger == -1 or trigger > body.index(f"{WAIT}();"), name
-    if body.lstrip().startswith(f"{WAIT}();"):
-        return
-    signature = source[source.rfind("\n", 0, start - 1) + 1 : start]
-    params = set(re.findall(r"(\w+_ptr)\b", signature))
-    early = params & set(re.findall(r"(\w+_ptr)\b", body[: body.index(f"{WAIT}();")]))
-    assert early <= {"w_ptr"}, (name, early)
-
-
-def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
-    """Attention split kernel `name` waits once for its inputs; before that wait it reads only the step's
-    host-written lengths, block tables and positions, and touches the K/V cache only through L2 prefetches
-    (dependent_launch.py): no value it computes with comes from before the wait."""
-    import re
-
-    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
+    from dflash_compiler.dependent_launch import WAIT, kernel_bodies
 
     start, end = kernel_bodies(source)[name]
     body = source[start:end]
@@ -91,7 +68,29 @@ def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
     early = body[: body.index(f"{WAIT}();")]
     signature = source[source.rfind("\n", 0, start - 1) + 1 : start]
     params = set(re.findall(r"(\w+_ptr)\b", signature))
-    touched = params & set(re.findall(r"(\w+_ptr)\b", early))
+    return body, early, params & set(re.findall(r"(\w+_ptr)\b", early))
+
+
+def assert_only_weights_before_the_wait(source: str, name: str) -> None:
+    """Kernel `name` of `source` waits once for its inputs (dependent_launch.py) and, before that wait,
+    touches no parameter but the weight `w`: under a dependent launch everything else may still be in
+    the making. A kernel that waits first touches nothing before it; one that lets its dependents in
+    does so after its wait."""
+    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS
+
+    body, early, touched = _before_the_wait(source, name)
+    trigger = body.find(f"{LAUNCH_DEPENDENTS}();")
+    assert trigger == -1 or trigger > len(early), name
+    assert touched <= {"w_ptr"}, (name, touched)
+
+
+def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
+    """Attention split kernel `name` waits once for its inputs; before that wait it reads only the step's
+    host-written lengths, block tables and positions, and touches the K/V cache only through L2 prefetches
+    (dependent_launch.py): no value it computes with comes from before the wait."""
+    from dflash_compiler.dependent_launch import PREFETCH_L2
+
+    _, early, touched = _before_the_wait(source, name)
     assert touched <= {"cache_lens_ptr", "block_table_ptr", "blk_positions_ptr", "kv_ptr"}, (name, touched)
     assert early.count("kv_ptr[") == early.count(f"{PREFETCH_L2}((&(kv_ptr["), name
 
