@@ -22,8 +22,10 @@ drains. `--sweep` adds knob variants of the big shapes to pick per-target defaul
 and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one or two draft blocks. `--gemm`
 builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tiled.py), default and variants
 named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>[w<k_warps>]`
-(`--gemm-variant`, repeated, picks them; `--shapes` the weights), against GEMV mode alone and linear_mma's
-x-ring GEMM mode at 16-256 rows (1-16 sequences of 16 block rows), plus correctness cases of odd shapes.
+(`--gemm-variant`, repeated, picks them; `--shapes` the weights), and for bf16 weights on sm_90 the warpgroup
+GEMM (linear_wgmma.py), variants named `<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>`
+(`--wgmma-variant`), against GEMV mode alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16
+sequences of 16 block rows), plus correctness cases of odd shapes.
 `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows: the default (the small
 tiled kernel for bf16 weights), GEMV mode, and variants named
 `<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>` (`--few-variant S,K,W`, repeated,
@@ -129,6 +131,12 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
             ("lm_head", 520, 256, FP8))  # fmt: skip
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
+# the warpgroup GEMM (linear_wgmma.py, bf16 weights on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits)
+# variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged n, rows of x past m,
+# k splits, slots of two atoms, one and two warpgroups, 64- and 256-row x tiles
+WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
+WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16))
+WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1, 40, 3, 2, 1))
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -173,6 +181,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.schedules.base import ScheduleError
     from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule, few_rows_knobs
     from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
+    from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS
     from dflash_compiler.targets import get_target
 
     target = get_target(args.target)
@@ -215,7 +224,17 @@ def build(args: argparse.Namespace) -> None:
         for values in variants:
             knobs = {"gemm_rows": 32, **{f"gemm_{key}": v for key, v in zip(TILED_KNOBS, values, strict=False)}}
             tag = "t{}x{}t{}x{}s{}k{}x{}".format(*values) + ("w{}".format(*values[7:]) if len(values) > 7 else "")
-            add_variant(label, spec, tag, rows, knobs, timed)
+            add_variant(label, spec, tag, rows, {**knobs, "gemm_wgmma": 0}, timed)
+
+    def add_wgmma(label: str, spec: LinearSpec, variants: Iterable[tuple[int, ...]], rows: Iterable[int],
+                  timed: bool = True) -> None:  # fmt: skip
+        for values in variants:
+            knobs = {
+                "gemm_rows": 32,
+                "gemm_wgmma": 1,
+                **{f"wgmma_{key}": v for key, v in zip(WGMMA_KNOBS, values, strict=True)},
+            }
+            add_variant(label, spec, "g{}n{}s{}a{}k{}".format(*values), rows, knobs, timed)
 
     if args.gemm:
         for label in args.shapes or GEMM_SHAPES:
@@ -225,8 +244,12 @@ def build(args: argparse.Namespace) -> None:
                 add_variant(name, spec, "gemv", GEMM_ROWS[1:], {"gemm_rows": 0})
                 add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
                 add_tiled(name, spec, args.gemm_variant or TILED_VARIANTS, GEMM_ROWS[1:])
+                if wdtype == BF16:
+                    add_wgmma(name, spec, args.wgmma_variant or WGMMA_VARIANTS, GEMM_ROWS[1:])
         for op, n, k, wdtype in GEMM_ODD:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
+        for op, n, k, wdtype in WGMMA_ODD:
+            add_wgmma(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), WGMMA_ODD_VARIANTS, GEMM_ODD_ROWS, False)
         shapes, odd = (), ()
     elif args.few_rows:
         for label in args.shapes or FEW_SHAPES:
@@ -531,6 +554,13 @@ def main() -> int:
         type=_knob_values((7, 8), "2,2,4,8,4,1,1"),
         metavar="NW,MW,NT,MT,S,KS,KST[,KW]",
         help="with --gemm: a tiled GEMM variant (gemm_ knobs in TILED_KNOBS order) instead of the built-in ones",
+    )
+    b.add_argument(
+        "--wgmma-variant",
+        action="append",
+        type=_knob_values((5,), "2,128,3,1,1"),
+        metavar="G,BM,S,A,KS",
+        help="with --gemm: a warpgroup GEMM variant (wgmma_ knobs in WGMMA_KNOBS order) instead of the built-in ones",
     )
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")

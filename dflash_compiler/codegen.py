@@ -24,6 +24,8 @@ from dflash_compiler.errors import DFlashError
 from dflash_compiler.fast_exp2 import PRELUDE as EXP2_PRELUDE
 from dflash_compiler.fp8_convert import PRELUDE as FP8_PRELUDE
 from dflash_compiler.runtime.expr import evaluate, expression_names
+from dflash_compiler.wgmma import PRELUDE as WGMMA_PRELUDE
+from dflash_compiler.wgmma import needed_prelude as wgmma_functions
 
 # ------------------------------------------------------------------------------------------------ errors
 
@@ -171,7 +173,8 @@ def lower_with_ir(mod: Any, target: Any) -> tuple[CudaModule, Any]:
     imports = executable.mod.imports
     if not imports:
         raise CodegenError("TVM produced no device module: the IRModule holds no kernel")
-    source = FP8_PRELUDE + EXP2_PRELUDE + add_dependent_launch(imports[0].inspect_source())
+    kernels = add_dependent_launch(imports[0].inspect_source())
+    source = FP8_PRELUDE + EXP2_PRELUDE + WGMMA_PRELUDE + wgmma_functions(kernels) + kernels
     functions = _kernel_table(capture.mod)
     missing = [n for n in names if n not in functions]
     if missing:

@@ -8,7 +8,8 @@ Two rules:
 
 * `LinearMmaRule` — the hot path: a tensor-core GEMV (`linear_mma.py`) that streams the weight once with
   16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension, and above
-  `gemm_rows` rows a tensor-core GEMM with both operands tiled through shared memory (`linear_tiled.py`).
+  `gemm_rows` rows a tensor-core GEMM with both operands tiled through shared memory (`linear_tiled.py` on
+  `mma.sync`; for bf16 weights on targets with warpgroup MMA, `linear_wgmma.py` on `wgmma.mma_async`).
   It takes every n and any k that is a multiple of one k step (32 for bf16 weights, 64 for FP8), on targets
   with bf16 mma.
 * `LinearGemvRule` — the generic fallback (SIMT): one block per (column, group of rows), threads split k
@@ -30,6 +31,7 @@ from dflash_compiler.targets import Target
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 from .linear_tiled import TILED_KNOBS, TiledPlan
+from .linear_wgmma import WGMMA_KNOBS, WgmmaPlan
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
 BF16, FP8, F32 = "bfloat16", "float8_e4m3fn", "float32"
@@ -234,7 +236,10 @@ class LinearMmaRule(FamilyRule):
     x_stages 0: calls with more rows than this go to the tiled GEMM of `linear_tiled.py`, picked by the
     host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are `gemm_n_warps`,
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
-    (TiledPlan); 0 takes `tiled_defaults`. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
+    (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default for bf16 weights on targets with
+    wgmma) makes that GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`,
+    `wgmma_stages`, `wgmma_k_atoms` and `wgmma_k_splits` (WgmmaPlan; 0 takes `wgmma_defaults`); the other
+    GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 weight rows and 16 rows of x per block, that many
     slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight
     stream is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`,
@@ -245,7 +250,8 @@ class LinearMmaRule(FamilyRule):
 
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
-                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS)  # fmt: skip
+                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS,
+                  "gemm_wgmma", *(f"wgmma_{name}" for name in WGMMA_KNOBS))  # fmt: skip
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
@@ -268,6 +274,10 @@ class LinearMmaRule(FamilyRule):
             **{f"gemm_{name}": 0 for name in TILED_KNOBS},
             # calls of at most gemm_rows rows: GEMV mode (0) or the small tiled kernel; by the weight
             **few_rows_knobs(0, 8, 1),
+            # calls above gemm_rows rows: the tiled mma.sync GEMM (0) or the warpgroup GEMM (1, bf16 weights
+            # on targets with wgmma); knobs_for picks by weight and target, and 0 takes wgmma_defaults
+            "gemm_wgmma": 0,
+            **{f"wgmma_{name}": 0 for name in WGMMA_KNOBS},
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -279,22 +289,41 @@ class LinearMmaRule(FamilyRule):
             return None
         chosen = self.knobs_for(spec, target, knobs)
         plan, gemm, small, func = self._func(spec, target, chosen)
-        used = {f"gemm_{key}": value for key, value in gemm.knobs().items()} if gemm else {}
+        used = gemm_knobs(gemm)
         few = few_rows_knobs(small.stages, small.k_steps, small.k_warps) if small else few_rows_knobs(0, 0, 0)
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
                       knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few}, spec=spec)  # fmt: skip
 
-    def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | None:
+    def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | WgmmaPlan | None:
         """The GEMM kernel's plan where calls above gemm_rows rows go to one: the knobs given, the rest by
         the weight's shape."""
         if not knobs["gemm_rows"]:
             return None
+        if knobs["gemm_wgmma"] not in (0, 1):
+            raise ScheduleError(
+                f"{self.name} knob gemm_wgmma={knobs['gemm_wgmma']}: expected 0 (tiled mma.sync GEMM) or 1 "
+                "(warpgroup GEMM)"
+            )
+        wgmma = bool(knobs["gemm_wgmma"])
+        # the other GEMM's knobs would do nothing: refuse them rather than drop them
+        unused = [f"{prefix}{name}" for prefix, names in (("gemm_", TILED_KNOBS), ("wgmma_", WGMMA_KNOBS))
+                  for name in names if knobs[f"{prefix}{name}"] and (prefix == "gemm_") == wgmma]  # fmt: skip
+        if unused:
+            kind, other = ("warpgroup", 0) if wgmma else ("tiled mma.sync", 1)
+            raise ScheduleError(
+                f"{self.name} knobs {', '.join(unused)} on {spec.name} for {target.name}: the GEMM above gemm_rows "
+                f"rows is the {kind} GEMM (gemm_wgmma={int(wgmma)}), which does not read them. Fix: drop them, "
+                f"or set gemm_wgmma {other}"
+            )
+        if wgmma:
+            given = {name: knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS if knobs[f"wgmma_{name}"] != 0}
+            return fit_wgmma_plan(spec, target, {**wgmma_defaults(spec, target), **given})
         given = {name: knobs[f"gemm_{name}"] for name in TILED_KNOBS if knobs[f"gemm_{name}"] != 0}
         return fit_tiled_plan(spec, target, {**tiled_defaults(spec, target), **given})
 
     def _func(
         self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]
-    ) -> tuple[MmaPlan, TiledPlan | None, TiledPlan | None, Any]:
+    ) -> tuple[MmaPlan, TiledPlan | WgmmaPlan | None, TiledPlan | None, Any]:
         plan = fit_mma_plan(spec, target, knobs)
         rows = knobs["gemm_rows"]
         if rows < 0:
@@ -375,7 +404,11 @@ class LinearMmaRule(FamilyRule):
         mode = (
             {**self.gemm_defaults(target), "gemm_rows": 0}
             if gemm
-            else {**self.gemv_defaults(spec, target), **self.few_rows_defaults(spec, target)}
+            else {
+                **self.gemv_defaults(spec, target),
+                **self.few_rows_defaults(spec, target),
+                "gemm_wgmma": int(wgmma_fits(spec, target)),
+            }
         )
         return self.resolve_knobs(target, {**mode, **(knobs or {})})
 
@@ -413,6 +446,97 @@ def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     blocks = -(-spec.n // plan.block_n)
     splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] else 1
     return {**plan.knobs(), "stages": stages, "k_splits": splits}
+
+
+def gemm_knobs(plan: TiledPlan | WgmmaPlan | None) -> dict[str, int]:
+    """The knobs a Kernel reports for its GEMM above gemm_rows rows (none without one)."""
+    if plan is None:
+        return {}
+    if isinstance(plan, WgmmaPlan):
+        return {"gemm_wgmma": 1, **plan.knobs()}
+    return {"gemm_wgmma": 0, **{f"gemm_{key}": value for key, value in plan.knobs().items()}}
+
+
+def wgmma_fits(spec: LinearSpec, target: Target) -> bool:
+    """The warpgroup GEMM takes bf16 weights whose k is whole 64-wide atoms, on targets with wgmma."""
+    return target.wgmma and not spec.fp8 and spec.k % 64 == 0
+
+
+def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
+    """The warpgroup GEMM's shape by weight: 128 rows of x per block (one draft batch of 8 blocks), one
+    64-wide k atom per slot, and the warpgroups, slots and k splits whose blocks fill the SMs' block slots
+    most evenly.
+
+    Every candidate streams the weight at about the same rate per SM once the SMs are full, so the cost of
+    one is the rows it pads to, counted in whole waves of block slots, over n (1 / fill), plus the partial
+    sums' traffic against the weight's (each split writes and reads back m · n f32 at m = 128: 4 · 128 ·
+    splits / k of the weight's bf16 bytes). Candidates, by shared memory: one warpgroup of four slots and
+    two of three (96 KiB: two blocks per SM on sm_90), three or four warpgroups of four slots (160, 192
+    KiB: one); ties go to fewer splits, then in that order of warpgroups 2, 3, 4, 1.
+
+    H200, µs at 128 rows (bench/linear.py --gemm; candidate chosen → others): gate_up 59.7 with three
+    warpgroups (128 blocks, one wave) → 65.5 with two (192 of 264 slots) and 65.6 with four; lm_head 377.7
+    (792 blocks, six waves exactly) → 406.7 and 406.3; qkv 26.3 with two warpgroups and 4 splits → 26.7
+    with four, 31.0 with one, 39.8 unsplit; o_proj 17.5 with one and 4 splits → 19.3 with two; down 37.5
+    with one and 4 splits → 39.8 with two and 8, 111.8 unsplit. The tiled mma.sync GEMM took 94.6, 640,
+    52.7, 52.1 and 152.7.
+    """
+    per_sm = {1: 2, 2: 2, 3: 1, 4: 1}  # blocks per SM at the slots below (sm_90's 228 KiB)
+    atoms = spec.k // 64
+    best: tuple[tuple[float, int, int], dict[str, int]] | None = None
+    for order, (groups, stages) in enumerate(((2, 3), (3, 4), (4, 4), (1, 4))):
+        plan = WgmmaPlan(groups, 128, stages, 1, 1)
+        blocks_per_sm = min(target.shared_memory_per_sm // plan.shared_bytes(), per_sm[groups])
+        if blocks_per_sm < 1 or plan.threads > target.max_threads_per_block:
+            continue
+        slots = blocks_per_sm * target.sm_count
+        tiles = -(-spec.n // plan.block_n)
+        for splits in (s for s in range(1, 9) if atoms % s == 0):
+            blocks = tiles * splits
+            cost = -(-blocks // slots) * slots / blocks + 4 * 128 * splits / spec.k
+            key = (round(cost, 3), splits, order)
+            if best is None or key < best[0]:
+                best = (key, {"warpgroups": groups, "block_m": 128, "stages": stages, "k_atoms": 1,
+                              "k_splits": splits})  # fmt: skip
+    if best is None:
+        raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
+    return best[1]
+
+
+def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan:
+    """The warpgroup GEMM's knobs checked against `spec` and the target (k_splits: the largest divisor of
+    the k atoms up to the knob; k_atoms: the largest power of two up to the knob dividing a split's atoms)."""
+    rule = LinearMmaRule.name
+    if not wgmma_fits(spec, target):
+        raise ScheduleError(
+            f"{rule} knob gemm_wgmma=1 on {spec.name} for {target.name}: the warpgroup GEMM takes bf16 weights "
+            f"with k a multiple of 64 on targets with wgmma (found {spec.weight_dtype}, k={spec.k}, "
+            f"wgmma={target.wgmma}). Fix: gemm_wgmma 0"
+        )
+    values = {name: knobs[name] for name in WGMMA_KNOBS}
+    if any(v < 1 for v in values.values()) or values["stages"] < 2:
+        raise ScheduleError(
+            f"{rule} wgmma knobs {values}: expected positive values and stages >= 2 (one slot copied while one "
+            "is multiplied)"
+        )
+    if values["block_m"] % 8 or values["block_m"] > 256:
+        raise ScheduleError(f"{rule} knob wgmma_block_m={values['block_m']}: wgmma's N is a multiple of 8 up to 256")
+    if WARP * 4 * values["warpgroups"] > target.max_threads_per_block:
+        raise ScheduleError(
+            f"{rule} knob wgmma_warpgroups={values['warpgroups']}: at most "
+            f"{target.max_threads_per_block // (4 * WARP)} warpgroups per block on {target.name}"
+        )
+    atoms = spec.k // 64
+    splits = _largest_divisor(atoms, values["k_splits"])
+    per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_atoms"] and (atoms // splits) % p == 0)
+    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot})
+    if plan.shared_bytes() > target.max_shared_memory_per_block:
+        raise ScheduleError(
+            f"{rule}: wgmma stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "
+            f"{plan.block_m} rows of x need {plan.shared_bytes()} bytes of shared memory; {target.name} allows "
+            f"{target.max_shared_memory_per_block}. Fix: lower wgmma_stages, wgmma_k_atoms or wgmma_block_m"
+        )
+    return plan
 
 
 def wide_weight(spec: LinearSpec, target: Target) -> bool:

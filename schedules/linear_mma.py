@@ -30,7 +30,8 @@ Where `x` goes is the `x_stages` knob:
 
 * 0, GEMV mode: the x fragments of a batch are loaded with its weight, straight into registers. Those
   registers (stages · unroll · m_tile / 8 · V / 2) cap m_tile at 16-32, so m = 128 re-streams the weight
-  eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` instead,
+  eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` (or
+  `linear_wgmma.py`'s warpgroup GEMM for bf16 weights on sm_90) instead,
   which the host code picks per call, and for all but wide FP8 weights the calls up to gemm_rows rows go to a
   small plan of the same kernel (`small_tiled_plan` in linear.py), whose weight in flight sits in shared
   memory instead of registers.
@@ -74,6 +75,7 @@ from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAI
 
 from .base import ScheduleError
 from .linear_tiled import TiledPlan, tiled_body_macro
+from .linear_wgmma import WgmmaPlan, wgmma_body_macro
 from .mma import a_fragments_macro, mma_m16n8k16
 
 if TYPE_CHECKING:
@@ -145,15 +147,16 @@ def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
 def mma_gemv_func(
     spec: LinearSpec,
     plan: MmaPlan,
-    gemm: tuple[int, TiledPlan] | None = None,
+    gemm: tuple[int, TiledPlan | WgmmaPlan] | None = None,
     small: TiledPlan | None = None,
 ) -> Any:
     """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`.
 
-    With `gemm = (rows, tiled_plan)` the PrimFunc also holds the tiled GEMM of `linear_tiled.py` and its
-    host code picks per call: `plan`'s kernel for m <= rows (or, with `small`, a second tiled kernel of
-    that plan, which must not split k), the GEMM above (with, for k splits, its workspace and merge kernel);
-    the kernel table records each launch's condition (codegen.KernelLaunch.when).
+    With `gemm = (rows, tiled_plan)` the PrimFunc also holds the tiled GEMM of `linear_tiled.py` (or, for
+    a WgmmaPlan, the warpgroup GEMM of `linear_wgmma.py`) and its host code picks per call: `plan`'s kernel
+    for m <= rows (or, with `small`, a second tiled kernel of that plan, which must not split k), the GEMM
+    above (with, for k splits, its workspace and merge kernel); the kernel table records each launch's
+    condition (codegen.KernelLaunch.when).
     """
     from tvm.script import tirx as T
 
@@ -168,7 +171,7 @@ def mma_gemv_func(
     if gemm is not None:
         rows, tiled = gemm
         few = body if small is None else tiled_body_macro(spec, small)
-        large = tiled_body_macro(spec, tiled)
+        large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
         splits = tiled.k_splits
 
         @T.macro

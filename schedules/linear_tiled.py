@@ -120,7 +120,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     `[k_splits, m, n]` f32 workspace (read only when k_splits > 1)."""
     from tvm.script import tirx as T
 
-    n, k, fp8, out_dtype, wdtype = spec.n, spec.k, spec.fp8, spec.out_dtype, spec.weight_dtype
+    n, k, fp8, wdtype = spec.n, spec.k, spec.fp8, spec.weight_dtype
     vec, xvs, step_k = plan.vector, plan.x_vectors, plan.step_k
     bn_rows, bm_rows, threads, stages = plan.block_n, plan.block_m, plan.threads, plan.stages
     n_tiles, m_tiles, n_warps, m_warps = plan.n_tiles, plan.m_tiles, plan.n_warps, plan.m_warps
@@ -135,6 +135,8 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     n_blocks = -(-n // bn_rows)
     mma = mma_m16n8k16()
     a_fragments = a_fragments_macro(fp8, n_tiles, mps)
+    store = store_macro(spec, plan)
+    merge = merge_macro(spec, k_splits)
 
     def swizzle(chunk: Any, row: Any, per_lane: int, chunks: int) -> Any:
         # eight lanes read rows r, r + 1 (r even), four chunks each (`per_lane` apart); rows of 128 bytes or
@@ -196,38 +198,6 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                 for nt in T.unroll(n_tiles):
                     for j in T.unroll(mps):
                         mma(af, (nt * mps + j) * 8, bf, 4 * j, acc, (nt * m_tiles + mt) * 4)
-
-    @T.macro
-    def store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
-        # accumulator e of (nt, mt): weight row g + 8·(e // 2) of the tile, x row 2t + e % 2
-        for nt in T.unroll(n_tiles):
-            for mt in T.unroll(m_tiles):
-                for e in T.unroll(4):
-                    i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
-                    j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
-                    if i < m and j < n:
-                        if k_splits > 1:
-                            part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
-                        elif fp8:
-                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
-                        else:
-                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
-
-    @T.macro
-    def merge(scale, y, part, m):
-        for b in T.thread_binding(T.ceildiv(m * n, MERGE_THREADS), thread="blockIdx.x"):
-            for tx in T.thread_binding(MERGE_THREADS, thread="threadIdx.x"):
-                with T.sblock("tiled_merge"):
-                    T.reads()
-                    T.writes()
-                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    if b * MERGE_THREADS + tx < m * n:
-                        total[0] = T.float32(0)
-                        for s in T.unroll(k_splits):
-                            total[0] = total[0] + part[s, (b * MERGE_THREADS + tx) // n, (b * MERGE_THREADS + tx) % n]
-                        if fp8:
-                            total[0] = total[0] * scale[(b * MERGE_THREADS + tx) % n]
-                        y[(b * MERGE_THREADS + tx) // n, (b * MERGE_THREADS + tx) % n] = T.Cast(out_dtype, total[0])
 
     @T.macro
     def body(x, w, scale, y, m, part):
@@ -297,3 +267,60 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
             merge(scale, y, part, m)
 
     return body
+
+
+def store_macro(spec: LinearSpec, plan: Any) -> Any:
+    """A TVMScript macro `store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t)`: a warp's accumulators
+    into y (FP8: times the row's scale) or, with k splits, into the f32 workspace part[ks].
+
+    `plan` has `n_tiles` 16-row weight tiles by `m_tiles` 8-row x tiles per warp, `block_n` × `block_m` per
+    block and `k_splits`; accumulator (nt · m_tiles + mt) · 4 + e is mma.sync's m16n8 element e of the warp's
+    tile pair (nt, mt): weight row g + 8 · (e // 2) of the 16-row tile, x row 2t + e % 2 of the 8-row tile.
+    """
+    from tvm.script import tirx as T
+
+    n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
+    n_tiles, m_tiles, bn_rows, bm_rows, k_splits = plan.n_tiles, plan.m_tiles, plan.block_n, plan.block_m, plan.k_splits
+
+    @T.macro
+    def store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
+        for nt in T.unroll(n_tiles):
+            for mt in T.unroll(m_tiles):
+                for e in T.unroll(4):
+                    i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
+                    j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
+                    if i < m and j < n:
+                        if k_splits > 1:
+                            part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
+                        elif fp8:
+                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
+                        else:
+                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
+
+    return store
+
+
+def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
+    """A TVMScript macro `merge(scale, y, part, m)`: its own kernel, y = the sum of the k splits' partial
+    sums part[0 .. k_splits) (FP8: times the row's scale)."""
+    from tvm.script import tirx as T
+
+    n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
+
+    @T.macro
+    def merge(scale, y, part, m):
+        for b in T.thread_binding(T.ceildiv(m * n, MERGE_THREADS), thread="blockIdx.x"):
+            for tx in T.thread_binding(MERGE_THREADS, thread="threadIdx.x"):
+                with T.sblock("tiled_merge"):
+                    T.reads()
+                    T.writes()
+                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    if b * MERGE_THREADS + tx < m * n:
+                        total[0] = T.float32(0)
+                        for s in T.unroll(k_splits):
+                            total[0] = total[0] + part[s, (b * MERGE_THREADS + tx) // n, (b * MERGE_THREADS + tx) % n]
+                        if fp8:
+                            total[0] = total[0] * scale[(b * MERGE_THREADS + tx) % n]
+                        y[(b * MERGE_THREADS + tx) // n, (b * MERGE_THREADS + tx) % n] = T.Cast(out_dtype, total[0])
+
+    return merge

@@ -57,6 +57,9 @@ class Target(BaseModel):
     dram_bandwidth_bytes_per_s: float = Field(gt=0, description="peak DRAM bandwidth, bytes/s (roofline)")
     fp8_mma: bool = Field(description="tensor-core MMA on float8 e4m3/e5m2 inputs")
     bf16_mma: bool = Field(description="tensor-core MMA on bfloat16 inputs")
+    wgmma: bool = Field(
+        description="warpgroup MMA from shared-memory descriptors (wgmma.mma_async; sm_90a only, not sm_12x)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Target:

@@ -1,6 +1,6 @@
 """The limits every compute capability 12.x GPU shares (CUDA C++ Programming Guide, compute capabilities
 table): 99 KiB opt-in shared memory per block out of 100 KiB per SM, 64 K registers, 1536 resident threads
-per SM, and bf16 and FP8 `mma.sync`. The sm_120 and sm_121 records add what differs per part."""
+per SM, and bf16 and FP8 `mma.sync` (no warpgroup MMA). The sm_120 and sm_121 records add what differs per part."""
 
 from __future__ import annotations
 
@@ -17,4 +17,5 @@ CC12_LIMITS: dict[str, Any] = {
     "warp_size": 32,
     "fp8_mma": True,
     "bf16_mma": True,
+    "wgmma": False,
 }

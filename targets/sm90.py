@@ -27,4 +27,5 @@ SM90 = Target(
     dram_bandwidth_bytes_per_s=4.8e12,
     fp8_mma=True,
     bf16_mma=True,
+    wgmma=True,
 )

@@ -6,6 +6,8 @@ arch. Numbers on the GPU: bench/linear.py (H200 table in the report).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -23,12 +25,17 @@ from dflash_compiler.schedules.linear import (
     _register_estimate,
     fit_mma_plan,
     fit_tiled_plan,
+    fit_wgmma_plan,
     random_weight,
     small_tiled_plan,
     spec_of,
 )
 from dflash_compiler.schedules.linear_mma import mma_gemv_func
+from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90, SM120, SM121
+from dflash_compiler.wgmma import COMMIT as WGMMA_COMMIT
+from dflash_compiler.wgmma import FENCE as WGMMA_FENCE
+from dflash_compiler.wgmma import FENCE_ASYNC_SHARED, mma_function, mma_name, needed_prelude, wait_name
 
 tvm = pytest.importorskip("tvm")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -173,11 +180,11 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 
 
 def _gemv_knobs(kernel):
-    """The knobs of the GEMV-mode kernel and gemm_rows (without the tiled kernels' gemm_* and gemv_tiled_*)."""
+    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_* and gemv_tiled_*)."""
     return {
         k: v
         for k, v in kernel.knobs.items()
-        if not (k.startswith("gemm_") or k.startswith("gemv_tiled_")) or k == "gemm_rows"
+        if not k.startswith(("gemm_", "gemv_tiled_", "wgmma_")) or k == "gemm_rows"
     }
 
 
@@ -186,7 +193,8 @@ def _lower(kernel, target=SM90):
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     launches = cuda.functions[kernel.name].kernels
     # GEMV mode alone, or with the tiled GEMM above gemm_rows (and its merge kernel for k splits)
-    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (kernel.knobs["gemm_k_splits"] > 1))
+    splits = kernel.knobs.get("gemm_k_splits", kernel.knobs.get("wgmma_k_splits"))
+    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (splits > 1))
     assert "2147483647" not in cuda.source  # no local buffer sized by the symbolic m
     return cuda, launches[0]
 
@@ -474,8 +482,9 @@ def test_n_warps_share_one_x_tile(target):
 )
 def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     """By default a linear is a GEMV-mode kernel up to gemm_rows rows and the tiled GEMM above (with its
-    merge kernel when k is split), picked by the host code per call and recorded as each launch's condition."""
-    kernel = LinearMmaRule().apply(spec, target)
+    merge kernel when k is split), picked by the host code per call and recorded as each launch's condition.
+    (On sm_90 the bf16 GEMM is the warpgroup one by default: test_bf16_gemm_on_sm90_is_the_warpgroup_gemm.)"""
+    kernel = LinearMmaRule().apply(spec, target, {"gemm_wgmma": 0})
     assert kernel.knobs["gemm_rows"] == 32 and kernel.knobs["x_stages"] == 0
     tiled = {key[5:]: value for key, value in kernel.knobs.items() if key.startswith("gemm_") and key != "gemm_rows"}
     plan = fit_tiled_plan(spec, target, tiled)
@@ -533,12 +542,133 @@ def assert_triggers_after_its_last_weight_copies(body: str, spec: LinearSpec, pl
     last weight copies (step per_split - stages, or the first when the prologue issued them all)."""
     import re
 
-    per_split = spec.k // plan.step_k // plan.k_splits // plan.k_steps
+    slot_k = plan.slot_k if isinstance(plan, WgmmaPlan) else plan.step_k * plan.k_steps
+    per_split = spec.k // slot_k // plan.k_splits
     assert body.count(f"{LAUNCH_DEPENDENTS}();") == 1
     assert body.rindex("commit_group") < body.index(f"{LAUNCH_DEPENDENTS}();")
     if per_split > 1:  # a loop of one step is no loop: its trigger needs no condition
         trigger = re.search(rf"if \(kt == (\d+)\) \{{\s*{LAUNCH_DEPENDENTS}\(\);", body)
         assert trigger and int(trigger.group(1)) == max(per_split - plan.stages, 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "plan"),
+    [
+        # the shapes whose blocks fill the SMs' block slots most evenly (wgmma_defaults): qkv's 32 tiles of
+        # 192 rows split 4 ways (128 blocks), lm_head's 792 tiles (6 waves), o_proj's 64 tiles of 64 rows split
+        # 4 ways (two 96 KiB blocks per SM)
+        (LinearSpec("matmul", 6144, 4096), WgmmaPlan(3, 128, 4, 1, 4)),
+        (LinearSpec("lm_head", 151936, 4096), WgmmaPlan(3, 128, 4, 1, 1)),
+        (LinearSpec("matmul", 4096, 4096), WgmmaPlan(1, 128, 4, 1, 4)),
+        # ragged n and a split of fewer slots than the pipeline holds
+        (LinearSpec("matmul", 200, 128), WgmmaPlan(3, 128, 4, 1, 2)),
+    ],
+    ids=["qkv", "lm_head", "o_proj", "tiny"],
+)
+def test_bf16_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
+    """On sm_90 the calls of a bf16 weight above gemm_rows rows go to the warpgroup GEMM (linear_wgmma.py):
+    whole operand tiles copied into 128-byte-swizzled slots, 4 wgmma m64n128k16 per 64-wide k atom of a slot,
+    one commit and one wait per slot, and the copies made visible to the async proxy before the barrier."""
+    kernel = LinearMmaRule().apply(spec, SM90)
+    assert kernel.knobs["gemm_wgmma"] == 1
+    assert not [key for key in kernel.knobs if key.startswith("gemm_") and key not in ("gemm_rows", "gemm_wgmma")]
+    assert fit_wgmma_plan(spec, SM90, {name: kernel.knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS}) == plan
+
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
+    func = cuda.functions[kernel.name]
+    gemv, gemm, *merge = func.kernels
+    assert len(merge) == (plan.k_splits > 1)
+    for m in (1, 32):
+        assert func.launches({"m": m}) == [gemv]
+    for m in (33, 128, 512):
+        assert func.launches({"m": m}) == [gemm, *merge]
+    assert gemm.grid == ("((m + 127) // 128)", str(-(-spec.n // plan.block_n)), str(plan.k_splits))
+    assert gemm.block == ("32", str(plan.n_warps), "1")
+    per_split = spec.k // plan.slot_k // plan.k_splits
+    full = per_split >= plan.stages
+    assert int(gemm.dynamic_smem) == plan.shared_bytes() or not full
+    body = cuda.source[slice(*kernel_bodies(cuda.source)[gemm.name])]
+    assert "(x_ptr + " not in body and "(w_ptr + " not in body and "mma.sync" not in body
+    if full:  # the prologue's stages - 1 slots and the loop's one, every thread an equal share
+        w_rounds, x_rounds = (-(-rows * 8 * plan.k_atoms // plan.threads) for rows in (plan.block_n, plan.block_m))
+        assert body.count("cp_async_cg_") == (w_rounds + x_rounds) * plan.stages
+        assert body.count("cp_async_cg_ignore_src") == x_rounds * plan.stages
+    loop = body[body.index("for (int kt = 0;") :] if per_split > 1 else body[body.index(f"{WAIT}();") :]
+    wait, fence, barrier = (loop.index(f"cp_async_wait_group_async_wait_group_{plan.stages - 2}()"),
+                            loop.index(f"{FENCE_ASYNC_SHARED}();"), loop.index("__syncthreads()"))  # fmt: skip
+    assert wait < fence < barrier and loop.count("__syncthreads()") == 1
+    mma = f"{mma_name(plan.block_m)}("
+    assert body.count(mma) == 4 * plan.k_atoms
+    assert barrier < loop.index(f"{WGMMA_FENCE}();") < loop.index(mma)
+    assert loop.rindex(mma) < loop.index(f"{WGMMA_COMMIT}();") < loop.index(f"{wait_name(plan.block_m)}(")
+    # the k16 slices of one atom: the tile base advanced 16 bf16 (32 bytes) at a time, inside the swizzle row
+    calls = [line for line in body.splitlines() if mma in line]
+    b_offsets = [int(re.search(r"(\d+)\)?\]\)\)\);$", line).group(1)) for line in calls]
+    assert [b - b_offsets[0] for b in b_offsets[:4]] == [0, 16, 32, 48]
+    assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
+    assert_only_weights_before_the_wait(cuda.source, gemm.name)
+    assert_triggers_after_its_last_weight_copies(body, spec, plan)
+    # the prelude defines the m64n128k16 call once, for the kernels that use it
+    assert cuda.source.count(f"void {mma_name(plan.block_m)}(") == 1
+
+
+def test_warpgroup_gemm_is_for_bf16_weights_on_sm90():
+    """sm_12x has no wgmma and FP8 weights would need converting in shared memory: both keep the tiled
+    mma.sync GEMM, and asking for the warpgroup one there is an error, as is a k of partial 64-wide atoms."""
+    rule = LinearMmaRule()
+    qkv, qkv_fp8, short_k = (
+        LinearSpec("matmul", 6144, 4096),
+        LinearSpec("matmul_fp8", 6144, 4096, FP8),
+        LinearSpec("matmul", 200, 96),
+    )
+    for spec, target in ((qkv, SM120), (qkv, SM121), (qkv_fp8, SM90), (short_k, SM90)):
+        kernel = rule.apply(spec, target)
+        assert kernel.knobs["gemm_wgmma"] == 0 and "gemm_n_tiles" in kernel.knobs, (spec.name, target.name)
+        assert not [key for key in kernel.knobs if key.startswith("wgmma_")]
+        with pytest.raises(ScheduleError, match="Fix: gemm_wgmma 0"):
+            rule.apply(spec, target, {"gemm_wgmma": 1})
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"gemm_wgmma": 2}, "gemm_wgmma=2"),
+        ({"gemm_n_tiles": 2}, "gemm_n_tiles .* set gemm_wgmma 0"),
+        ({"gemm_wgmma": 0, "wgmma_stages": 4}, "wgmma_stages .* set gemm_wgmma 1"),
+        ({"wgmma_stages": 1}, "stages >= 2"),
+        ({"wgmma_warpgroups": -1}, "positive values"),
+        ({"wgmma_block_m": 12}, "multiple of 8 up to 256"),
+        ({"wgmma_block_m": 264}, "multiple of 8 up to 256"),
+        ({"wgmma_warpgroups": 9}, "at most 8 warpgroups"),
+        ({"wgmma_warpgroups": 4, "wgmma_block_m": 256, "wgmma_stages": 4}, "lower wgmma_stages"),  # 4 x 64 KiB
+    ],
+)
+def test_bad_wgmma_knobs_are_refused(knobs, message):
+    with pytest.raises(ScheduleError, match=message):
+        LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), SM90, knobs)
+
+
+def test_wgmma_plan_fits_the_k_atoms():
+    """k_splits: the largest divisor of the 64-wide atoms up to the knob; k_atoms: a power of two dividing a
+    split's atoms."""
+    spec = LinearSpec("matmul", 200, 384)  # 6 atoms
+    knobs = {"warpgroups": 1, "block_m": 64, "stages": 2, "k_atoms": 4, "k_splits": 4}
+    assert fit_wgmma_plan(spec, SM90, knobs) == WgmmaPlan(1, 64, 2, 2, 3)  # 3 splits of 2 atoms, one slot each
+    assert fit_wgmma_plan(spec, SM90, {**knobs, "k_splits": 1}).k_atoms == 2  # 6 atoms: 2 divides, 4 does not
+
+
+def test_wgmma_calls_are_defined_per_n():
+    """One definition per N a source calls: the instruction of that N and N / 2 accumulators per thread, pinned
+    again after the wait; N outside wgmma's range is an error."""
+    source = mma_function(40)
+    assert "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16" in source
+    assert source.count('"+f"(d[19])') == 2 and '"+f"(d[20])' not in source
+    assert needed_prelude(f"{mma_name(128)}(a, b, c); {wait_name(64)}(a); {mma_name(128)}(a, b, c);") == (
+        mma_function(64) + mma_function(128)
+    )
+    assert needed_prelude("mma_sync(a)") == ""
+    with pytest.raises(ValueError, match="multiple of 8"):
+        mma_name(12)
 
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
@@ -633,17 +763,19 @@ def test_warps_along_k_split_a_slot_evenly(spec, knobs, used):
         ({"gemv_tiled_stages": 8}, SM120, "lower gemv_tiled_stages or gemv_tiled_k_steps"),  # 8 x 16 KiB of 99
         ({"gemv_tiled_stages": 2, "gemv_tiled_k_warps": 0}, SM90, "positive values"),
         ({"gemv_tiled_stages": 2, "gemv_tiled_k_warps": 64}, SM90, "at most 32 warps"),
-        ({"gemm_stages": 1}, SM90, "stages >= 2"),
-        ({"gemm_n_warps": -1}, SM90, "positive values"),
-        ({"gemm_n_warps": 8, "gemm_m_warps": 8}, SM90, "at most 32 warps"),
+        ({"gemm_stages": 1, "gemm_wgmma": 0}, SM90, "stages >= 2"),
+        ({"gemm_n_warps": -1, "gemm_wgmma": 0}, SM90, "positive values"),
+        ({"gemm_n_warps": 8, "gemm_m_warps": 8, "gemm_wgmma": 0}, SM90, "at most 32 warps"),
         ({"gemm_stages": 9}, SM120, "shared memory"),  # 9 x 12 KiB of 99
-        ({"gemm_n_tiles": 8, "gemm_m_tiles": 8}, SM90, "registers"),
+        ({"gemm_n_tiles": 8, "gemm_m_tiles": 8, "gemm_wgmma": 0}, SM90, "registers"),
     ],
 )
 def test_bad_tiled_knobs_are_refused(knobs, target, message):
     with pytest.raises(ScheduleError, match=message):
         LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), target, knobs)
-    assert LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), SM90, {"gemm_stages": 9}) is not None  # of 227 KiB
+    assert LinearMmaRule().apply(
+        LinearSpec("matmul", 4096, 4096), SM90, {"gemm_stages": 9, "gemm_wgmma": 0}
+    )  # of 227 KiB
 
 
 @pytest.mark.parametrize(
@@ -658,7 +790,9 @@ def test_bad_tiled_knobs_are_refused(knobs, target, message):
 def test_tiled_slots_take_a_power_of_two_of_k_steps(spec, knob, used):
     """The rows of a slot hold 4 * k_steps 16-byte chunks, and the swizzle flips chunk bit 2 (bit 0 for FP8's
     x) of odd rows: a power of two keeps every flipped chunk inside its row."""
-    kernel = LinearMmaRule().apply(spec, SM90, {"gemm_k_steps": knob, "gemm_k_splits": 1, "gemm_stages": 2})
+    kernel = LinearMmaRule().apply(
+        spec, SM90, {"gemm_k_steps": knob, "gemm_k_splits": 1, "gemm_stages": 2, "gemm_wgmma": 0}
+    )
     assert kernel.knobs["gemm_k_steps"] == used
 
 
@@ -674,6 +808,13 @@ def test_family_module_compiles_for_sm90a():
         LinearMmaRule().apply(LinearSpec("matmul", 200, 96), SM90),
         LinearMmaRule().apply(LinearSpec("lm_head", 512, 128, FP8), SM90),
         LinearGemvRule().apply(LinearSpec("matmul", 13, 1001), SM90),
+        # the warpgroup GEMM: the default shape with its k splits, and a 40-row x tile of two-atom slots
+        LinearMmaRule().apply(LinearSpec("matmul", 4096, 4096), SM90),
+        LinearMmaRule().apply(
+            LinearSpec("lm_head", 384, 512, name="wgmma_n40"),
+            SM90,
+            {"wgmma_warpgroups": 1, "wgmma_block_m": 40, "wgmma_k_atoms": 2},
+        ),
     ]
     cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), SM90)
     cubin = compile_cubin(cuda.source, SM90.arch)
@@ -695,9 +836,13 @@ def test_gemm_mode_compiles_for_every_arch(target):
         rule.apply(LinearSpec("matmul_fp8", 4096, 12288, FP8), target, {"x_stages": 3, "n_warps": 2, "warps": 2}),
         # the tiled GEMM above gemm_rows: FP8 with k splits, and bf16 lm_head (f32 out) of one split
         rule.apply(LinearSpec("matmul_fp8", 4096, 12288, FP8, name="tiled_fp8"), target),
-        rule.apply(LinearSpec("lm_head", 520, 256), target, {"gemm_n_warps": 1, "gemm_m_tiles": 4}),
+        rule.apply(LinearSpec("lm_head", 520, 256), target, {"gemm_n_warps": 1, "gemm_m_tiles": 4, "gemm_wgmma": 0}),
         # warps along k in the tiled GEMM and in the small kernel of an FP8 weight
-        rule.apply(LinearSpec("matmul", 200, 256, name="k_warps"), target, {"gemm_k_warps": 2, "gemm_k_steps": 4}),
+        rule.apply(
+            LinearSpec("matmul", 200, 256, name="k_warps"),
+            target,
+            {"gemm_k_warps": 2, "gemm_k_steps": 4, "gemm_wgmma": 0},
+        ),
         rule.apply(LinearSpec("matmul_fp8", 72, 256, FP8, name="few_fp8"), target, {"gemv_tiled_k_warps": 4}),
     ]
     cuda = lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), target)

@@ -1,0 +1,198 @@
+"""Warpgroup GEMM for many rows of `x` on sm_90a: `wgmma.mma_async.m64nNk16`, both operands in shared memory.
+
+Same product as linear_tiled.py, `yᵀ = W · xᵀ` (weight rows as the mma's M, rows of x as its N), for bf16
+weights. A block has `warpgroups` warpgroups of four warps; warpgroup i owns weight rows [64i, 64i + 64)
+of the block's `block_n = 64 · warpgroups` and all `block_m` rows of x (wgmma's N), so one instruction does
+64 × block_m × 16 and its operands never pass through registers (dflash_compiler/wgmma.py).
+
+The pipeline is linear_tiled.py's: `stages` shared-memory slots, each `k_atoms` atoms of 64 k (one
+128-byte swizzle row), filled with 16-byte `cp.async` copies `stages - 1` slots ahead of the one
+multiplied. Slot s holds, per atom, a K-major 128-byte-swizzled tile of the block's weight rows and one of
+its x rows (the layout wgmma's descriptors describe: 16-byte chunk c of row r at chunk c xor r mod 8).
+Eight consecutive threads copy one 128-byte row segment, so every global read is one full line. Per slot a
+thread waits for its own copies, makes them visible to the async proxy (`fence.proxy.async`), and a block
+barrier makes everyone's visible and ends every read of the slot the next copies overwrite (each
+warpgroup waited for its wgmmas before the barrier). Then the warpgroup issues 4 · k_atoms wgmmas, commits
+them as one group and waits for it. Weight rows past n read row n - 1 and rows of x past m are zero-filled
+(ignore-src); neither is stored.
+
+The accumulators of a warp follow mma.sync's m16n8 layout, one 16-row weight tile by block_m / 8 x tiles,
+so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m tiles, n tiles, k splits),
+the m tiles of one weight tile neighbours in launch order (the weight crosses from DRAM once), and with
+`k_splits > 1` the blocks write f32 partial sums that a second kernel adds. The first slots' weight copies
+are issued before the wait for the grid that writes x (dependent_launch.py), the next grid is let in once a
+block has issued its last weight copies.
+
+The slots need a 1024-byte aligned base: the kernel's only shared memory is this dynamic allocation, and
+CUDA places dynamic shared memory at the start of the block's window, which is 1024-byte aligned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
+from dflash_compiler.wgmma import COMMIT, FENCE, FENCE_ASYNC_SHARED, SWIZZLE_BYTES, mma_name, wait_name
+
+from .linear_tiled import merge_macro, store_macro
+
+if TYPE_CHECKING:
+    from .linear import LinearSpec
+
+WARP = 32
+WARPGROUP = 4 * WARP
+ATOM_K = SWIZZLE_BYTES // 2  # bf16 per swizzled row
+WGMMA_K = 16
+# the plan's knob fields (LinearMmaRule takes them as wgmma_<name>)
+WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits")
+
+
+@dataclass(frozen=True)
+class WgmmaPlan:
+    """The resolved shape of one warpgroup GEMM kernel."""
+
+    warpgroups: int  # 64 weight rows each
+    block_m: int  # rows of x per block: wgmma's N (a multiple of 8, at most 256)
+    stages: int  # shared-memory slots of the copy pipeline
+    k_atoms: int  # 64-wide k atoms per slot
+    k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
+
+    # the store's view of a warp (linear_tiled.store_macro): one 16-row weight tile by block_m / 8 x tiles
+    n_tiles = 1
+    m_warps = 1
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def m_tiles(self) -> int:
+        return self.block_m // 8
+
+    @property
+    def n_warps(self) -> int:
+        return 4 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * self.warpgroups
+
+    @property
+    def slot_k(self) -> int:
+        return ATOM_K * self.k_atoms
+
+    def stage_bytes(self) -> int:
+        return self.k_atoms * (self.block_n + self.block_m) * SWIZZLE_BYTES
+
+    def shared_bytes(self) -> int:
+        return self.stages * self.stage_bytes()
+
+    def registers(self) -> int:
+        """The accumulators (block_m / 2 floats) plus ~40 of addresses, copy state and loop counters."""
+        return self.block_m // 2 + 40
+
+    def knobs(self) -> dict[str, int]:
+        return {f"wgmma_{name}": getattr(self, name) for name in WGMMA_KNOBS}
+
+
+def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
+    """The kernel(s) of `plan` as a TVMScript macro `body(x, w, scale, y, m, part)`, as linear_tiled's."""
+    from tvm.script import tirx as T
+
+    n, k = spec.n, spec.k
+    bn_rows, bm_rows, threads, stages = plan.block_n, plan.block_m, plan.threads, plan.stages
+    k_atoms, k_splits = plan.k_atoms, plan.k_splits
+    per_split = k // plan.slot_k // k_splits  # slots per split
+    n_acc = bm_rows // 2
+    w_chunks, x_chunks = k_atoms * bn_rows * 8, k_atoms * bm_rows * 8  # 16-byte chunks per slot
+    w_rounds, x_rounds = -(-w_chunks // threads), -(-x_chunks // threads)
+    n_blocks = -(-n // bn_rows)
+    mma, wait = mma_name(bm_rows), wait_name(bm_rows)
+    store = store_macro(spec, plan)
+    merge = merge_macro(spec, k_splits)
+
+    @T.macro
+    def load_w_stage(w, ws, bn, ks, tid, slot, step):
+        if step < per_split:
+            for i in T.unroll(w_rounds):
+                c = T.meta_var(i * threads + tid)
+                atom = T.meta_var(c // (bn_rows * 8))
+                row = T.meta_var(c // 8 % bn_rows)
+                if w_chunks % threads == 0 or c < w_chunks:
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        T.address_of(ws[slot, atom, row, T.bitwise_xor(c % 8, row % 8) * 8]),
+                        T.address_of(w[T.min(bn * bn_rows + row, n - 1),
+                                       ((ks * per_split + step) * k_atoms + atom) * ATOM_K + c % 8 * 8]),
+                        16,
+                    ))  # fmt: skip
+
+    @T.macro
+    def load_x_stage(x, m, xs, bm, ks, tid, slot, step):
+        # closes the step's copy group: wait_group counts one group per step, empty or not
+        if step < per_split:
+            for i in T.unroll(x_rounds):
+                c = T.meta_var(i * threads + tid)
+                atom = T.meta_var(c // (bm_rows * 8))
+                row = T.meta_var(c // 8 % bm_rows)
+                if x_chunks % threads == 0 or c < x_chunks:
+                    T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                        T.address_of(xs[slot, atom, row, T.bitwise_xor(c % 8, row % 8) * 8]),
+                        T.address_of(x[T.min(bm * bm_rows + row, m - 1),
+                                       ((ks * per_split + step) * k_atoms + atom) * ATOM_K + c % 8 * 8]),
+                        16,
+                        bm * bm_rows + row >= m,
+                    ))  # fmt: skip
+        T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    @T.macro
+    def body(x, w, scale, y, m, part):
+        for bm in T.thread_binding(T.ceildiv(m, bm_rows), thread="blockIdx.x"):
+            for bn in T.thread_binding(n_blocks, thread="blockIdx.y"):
+                for ks in T.thread_binding(k_splits, thread="blockIdx.z"):
+                    for ty in T.thread_binding(plan.n_warps, thread="threadIdx.y"):
+                        for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                            with T.sblock("wgmma"):
+                                T.reads()
+                                T.writes()
+                                # one allocation carved in two: the weight slots, then the x slots
+                                smem = T.sblock_alloc_buffer((plan.shared_bytes() // 2,), "bfloat16",
+                                                             scope="shared.dyn")  # fmt: skip
+                                ws = T.decl_buffer((stages, k_atoms, bn_rows, ATOM_K), "bfloat16", data=smem.data,
+                                                   scope="shared.dyn")  # fmt: skip
+                                xs = T.decl_buffer((stages, k_atoms, bm_rows, ATOM_K), "bfloat16", data=smem.data,
+                                                   elem_offset=stages * k_atoms * bn_rows * ATOM_K,
+                                                   scope="shared.dyn")  # fmt: skip
+                                acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                                tid = T.meta_var(ty * WARP + tx)
+                                wg = T.meta_var(ty // 4)
+                                for i in T.unroll(n_acc):
+                                    acc[i] = T.float32(0)
+                                for s in T.unroll(stages - 1):
+                                    load_w_stage(w, ws, bn, ks, tid, s, s)
+                                T.evaluate(T.call_extern("void", WAIT))
+                                for s in T.unroll(stages - 1):
+                                    load_x_stage(x, m, xs, bm, ks, tid, s, s)
+                                for kt in range(per_split):
+                                    T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                                    T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                                    T.tvm_storage_sync("shared")
+                                    load_w_stage(w, ws, bn, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
+                                    load_x_stage(x, m, xs, bm, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
+                                    if kt == max(per_split - stages, 0):  # the last weight copies are out
+                                        T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
+                                    T.evaluate(T.call_extern("void", FENCE))
+                                    for atom in T.unroll(k_atoms):
+                                        for kk in T.unroll(ATOM_K // WGMMA_K):
+                                            T.evaluate(T.call_extern(
+                                                "void", mma, T.address_of(acc[0]),
+                                                T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
+                                                T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
+                                            ))  # fmt: skip
+                                    T.evaluate(T.call_extern("void", COMMIT))
+                                    T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+                                store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
+        if k_splits > 1:
+            merge(scale, y, part, m)
+
+    return body
