@@ -22,7 +22,7 @@ drains. `--sweep` adds knob variants of the big shapes to pick per-target defaul
 and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one or two draft blocks. `--gemm`
 builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tiled.py), default and variants
 named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>[w<k_warps>]`
-(`--gemm-variant`, repeated, picks them; `--shapes` the weights), and for bf16 weights on sm_90 the warpgroup
+(`--gemm-variant`, repeated, picks them; `--shapes` the weights), and on sm_90 the warpgroup
 GEMM (linear_wgmma.py), variants named `<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>`
 (`--wgmma-variant`), against GEMV mode alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16
 sequences of 16 block rows), plus correctness cases of odd shapes.
@@ -131,11 +131,12 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
             ("lm_head", 520, 256, FP8))  # fmt: skip
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
-# the warpgroup GEMM (linear_wgmma.py, bf16 weights on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits)
+# the warpgroup GEMM (linear_wgmma.py, on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits)
 # variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged n, rows of x past m,
 # k splits, slots of two atoms, one and two warpgroups, 64- and 256-row x tiles
 WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
-WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16))
+WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16), ("matmul_fp8", 200, 256, FP8),
+             ("lm_head", 384, 512, FP8))  # fmt: skip
 WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1, 40, 3, 2, 1))
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
@@ -244,8 +245,7 @@ def build(args: argparse.Namespace) -> None:
                 add_variant(name, spec, "gemv", GEMM_ROWS[1:], {"gemm_rows": 0})
                 add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
                 add_tiled(name, spec, args.gemm_variant or TILED_VARIANTS, GEMM_ROWS[1:])
-                if wdtype == BF16:
-                    add_wgmma(name, spec, args.wgmma_variant or WGMMA_VARIANTS, GEMM_ROWS[1:])
+                add_wgmma(name, spec, args.wgmma_variant or WGMMA_VARIANTS, GEMM_ROWS[1:])
         for op, n, k, wdtype in GEMM_ODD:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
         for op, n, k, wdtype in WGMMA_ODD:

@@ -9,7 +9,7 @@ Two rules:
 * `LinearMmaRule` — the hot path: a tensor-core GEMV (`linear_mma.py`) that streams the weight once with
   16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension, and above
   `gemm_rows` rows a tensor-core GEMM with both operands tiled through shared memory (`linear_tiled.py` on
-  `mma.sync`; for bf16 weights on targets with warpgroup MMA, `linear_wgmma.py` on `wgmma.mma_async`).
+  `mma.sync`; on targets with warpgroup MMA, `linear_wgmma.py` on `wgmma.mma_async`).
   It takes every n and any k that is a multiple of one k step (32 for bf16 weights, 64 for FP8), on targets
   with bf16 mma.
 * `LinearGemvRule` — the generic fallback (SIMT): one block per (column, group of rows), threads split k
@@ -236,10 +236,10 @@ class LinearMmaRule(FamilyRule):
     x_stages 0: calls with more rows than this go to the tiled GEMM of `linear_tiled.py`, picked by the
     host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are `gemm_n_warps`,
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
-    (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default for bf16 weights on targets with
-    wgmma) makes that GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`,
-    `wgmma_stages`, `wgmma_k_atoms` and `wgmma_k_splits` (WgmmaPlan; 0 takes `wgmma_defaults`); the other
-    GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
+    (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma) makes that
+    GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
+    `wgmma_k_atoms` and `wgmma_k_splits` (WgmmaPlan; 0 takes `wgmma_defaults`); the other GEMM's knobs are
+    refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 weight rows and 16 rows of x per block, that many
     slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight
     stream is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`,
@@ -274,8 +274,8 @@ class LinearMmaRule(FamilyRule):
             **{f"gemm_{name}": 0 for name in TILED_KNOBS},
             # calls of at most gemm_rows rows: GEMV mode (0) or the small tiled kernel; by the weight
             **few_rows_knobs(0, 8, 1),
-            # calls above gemm_rows rows: the tiled mma.sync GEMM (0) or the warpgroup GEMM (1, bf16 weights
-            # on targets with wgmma); knobs_for picks by weight and target, and 0 takes wgmma_defaults
+            # calls above gemm_rows rows: the tiled mma.sync GEMM (0) or the warpgroup GEMM (1, on targets
+            # with wgmma); knobs_for picks by weight and target, and 0 takes wgmma_defaults
             "gemm_wgmma": 0,
             **{f"wgmma_{name}": 0 for name in WGMMA_KNOBS},
         }
@@ -458,8 +458,8 @@ def gemm_knobs(plan: TiledPlan | WgmmaPlan | None) -> dict[str, int]:
 
 
 def wgmma_fits(spec: LinearSpec, target: Target) -> bool:
-    """The warpgroup GEMM takes bf16 weights whose k is whole 64-wide atoms, on targets with wgmma."""
-    return target.wgmma and not spec.fp8 and spec.k % 64 == 0
+    """The warpgroup GEMM takes weights whose k is whole 64-wide atoms, on targets with wgmma."""
+    return target.wgmma and spec.k % 64 == 0
 
 
 def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
@@ -470,9 +470,9 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     Every candidate streams the weight at about the same rate per SM once the SMs are full, so the cost of
     one is the rows it pads to, counted in whole waves of block slots, over n (1 / fill), plus the partial
     sums' traffic against the weight's (each split writes and reads back m · n f32 at m = 128: 4 · 128 ·
-    splits / k of the weight's bf16 bytes). Candidates, by shared memory: one warpgroup of four slots and
-    two of three (96 KiB: two blocks per SM on sm_90), three or four warpgroups of four slots (160, 192
-    KiB: one); ties go to fewer splits, then in that order of warpgroups 2, 3, 4, 1.
+    splits / k of a bf16 weight's bytes, twice that of an e4m3 one's). Candidates, by shared memory: one
+    warpgroup of four slots and two of three (two blocks per SM on sm_90), three or four warpgroups of
+    four slots (one); ties go to fewer splits, then in that order of warpgroups 2, 3, 4, 1.
 
     H200, µs at 128 rows (bench/linear.py --gemm; candidate chosen → others): gate_up 59.7 with three
     warpgroups (128 blocks, one wave) → 65.5 with two (192 of 264 slots) and 65.6 with four; lm_head 377.7
@@ -483,9 +483,11 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     """
     per_sm = {1: 2, 2: 2, 3: 1, 4: 1}  # blocks per SM at the slots below (sm_90's 228 KiB)
     atoms = spec.k // 64
+    # per weight row and split: m = 128 f32 partial sums written and read back, against the row's weight
+    partial_bytes, weight_bytes = 2 * 4 * 128, spec.k * ITEM_BYTES[spec.weight_dtype]
     best: tuple[tuple[float, int, int], dict[str, int]] | None = None
     for order, (groups, stages) in enumerate(((2, 3), (3, 4), (4, 4), (1, 4))):
-        plan = WgmmaPlan(groups, 128, stages, 1, 1)
+        plan = WgmmaPlan(groups, 128, stages, 1, 1, ITEM_BYTES[spec.weight_dtype])
         blocks_per_sm = min(target.shared_memory_per_sm // plan.shared_bytes(), per_sm[groups])
         if blocks_per_sm < 1 or plan.threads > target.max_threads_per_block:
             continue
@@ -493,7 +495,7 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
         tiles = -(-spec.n // plan.block_n)
         for splits in (s for s in range(1, 9) if atoms % s == 0):
             blocks = tiles * splits
-            cost = -(-blocks // slots) * slots / blocks + 4 * 128 * splits / spec.k
+            cost = -(-blocks // slots) * slots / blocks + partial_bytes * splits / weight_bytes
             key = (round(cost, 3), splits, order)
             if best is None or key < best[0]:
                 best = (key, {"warpgroups": groups, "block_m": 128, "stages": stages, "k_atoms": 1,
@@ -509,9 +511,8 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
     rule = LinearMmaRule.name
     if not wgmma_fits(spec, target):
         raise ScheduleError(
-            f"{rule} knob gemm_wgmma=1 on {spec.name} for {target.name}: the warpgroup GEMM takes bf16 weights "
-            f"with k a multiple of 64 on targets with wgmma (found {spec.weight_dtype}, k={spec.k}, "
-            f"wgmma={target.wgmma}). Fix: gemm_wgmma 0"
+            f"{rule} knob gemm_wgmma=1 on {spec.name} for {target.name}: the warpgroup GEMM takes weights with k "
+            f"a multiple of 64 on targets with wgmma (found k={spec.k}, wgmma={target.wgmma}). Fix: gemm_wgmma 0"
         )
     values = {name: knobs[name] for name in WGMMA_KNOBS}
     if any(v < 1 for v in values.values()) or values["stages"] < 2:
@@ -529,7 +530,7 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
     atoms = spec.k // 64
     splits = _largest_divisor(atoms, values["k_splits"])
     per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_atoms"] and (atoms // splits) % p == 0)
-    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot})
+    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot}, weight_bytes=ITEM_BYTES[spec.weight_dtype])
     if plan.shared_bytes() > target.max_shared_memory_per_block:
         raise ScheduleError(
             f"{rule}: wgmma stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "

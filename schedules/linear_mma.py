@@ -31,7 +31,7 @@ Where `x` goes is the `x_stages` knob:
 * 0, GEMV mode: the x fragments of a batch are loaded with its weight, straight into registers. Those
   registers (stages · unroll · m_tile / 8 · V / 2) cap m_tile at 16-32, so m = 128 re-streams the weight
   eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` (or
-  `linear_wgmma.py`'s warpgroup GEMM for bf16 weights on sm_90) instead,
+  `linear_wgmma.py`'s warpgroup GEMM on sm_90) instead,
   which the host code picks per call, and for all but wide FP8 weights the calls up to gemm_rows rows go to a
   small plan of the same kernel (`small_tiled_plan` in linear.py), whose weight in flight sits in shared
   memory instead of registers.

@@ -1,9 +1,9 @@
 """Warpgroup GEMM for many rows of `x` on sm_90a: `wgmma.mma_async.m64nNk16`, both operands in shared memory.
 
-Same product as linear_tiled.py, `yᵀ = W · xᵀ` (weight rows as the mma's M, rows of x as its N), for bf16
-weights. A block has `warpgroups` warpgroups of four warps; warpgroup i owns weight rows [64i, 64i + 64)
-of the block's `block_n = 64 · warpgroups` and all `block_m` rows of x (wgmma's N), so one instruction does
-64 × block_m × 16 and its operands never pass through registers (dflash_compiler/wgmma.py).
+Same product as linear_tiled.py, `yᵀ = W · xᵀ` (weight rows as the mma's M, rows of x as its N). A block
+has `warpgroups` warpgroups of four warps; warpgroup i owns weight rows [64i, 64i + 64) of the block's
+`block_n = 64 · warpgroups` and all `block_m` rows of x (wgmma's N), so one instruction does 64 × block_m
+× 16 and its operands never pass through registers (dflash_compiler/wgmma.py).
 
 The pipeline is linear_tiled.py's: `stages` shared-memory slots, each `k_atoms` atoms of 64 k (one
 128-byte swizzle row), filled with 16-byte `cp.async` copies `stages - 1` slots ahead of the one
@@ -15,6 +15,11 @@ barrier makes everyone's visible and ends every read of the slot the next copies
 warpgroup waited for its wgmmas before the barrier). Then the warpgroup issues 4 · k_atoms wgmmas, commits
 them as one group and waits for it. Weight rows past n read row n - 1 and rows of x past m are zero-filled
 (ignore-src); neither is stored.
+
+e4m3 weights (FP8) are copied as they are, 64 bytes a row per atom, and after the slot's barrier each thread
+converts the chunks it copied into one bf16 tile of the swizzled layout (four values per call of
+fp8_convert.py's integer conversion, exact); a second fence and barrier then let the wgmmas read it. The
+per-row scale is applied where the accumulators are stored (or by the k-split merge).
 
 The accumulators of a warp follow mma.sync's m16n8 layout, one 16-row weight tile by block_m / 8 x tiles,
 so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m tiles, n tiles, k splits),
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
+from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
 from dflash_compiler.wgmma import COMMIT, FENCE, FENCE_ASYNC_SHARED, SWIZZLE_BYTES, mma_name, wait_name
 
 from .linear_tiled import merge_macro, store_macro
@@ -57,6 +63,7 @@ class WgmmaPlan:
     stages: int  # shared-memory slots of the copy pipeline
     k_atoms: int  # 64-wide k atoms per slot
     k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
+    weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
 
     # the store's view of a warp (linear_tiled.store_macro): one 16-row weight tile by block_m / 8 x tiles
     n_tiles = 1
@@ -82,11 +89,20 @@ class WgmmaPlan:
     def slot_k(self) -> int:
         return ATOM_K * self.k_atoms
 
+    @property
+    def fp8(self) -> bool:
+        return self.weight_bytes == 1
+
     def stage_bytes(self) -> int:
-        return self.k_atoms * (self.block_n + self.block_m) * SWIZZLE_BYTES
+        """One slot: the weight rows' k atoms as stored (64 bytes a row per e4m3 atom), x's as bf16."""
+        return self.k_atoms * (self.block_n * ATOM_K * self.weight_bytes + self.block_m * SWIZZLE_BYTES)
+
+    def converted_bytes(self) -> int:
+        """FP8: the one bf16 tile of a slot's weight that the wgmmas read (none for bf16 weights)."""
+        return self.k_atoms * self.block_n * SWIZZLE_BYTES if self.fp8 else 0
 
     def shared_bytes(self) -> int:
-        return self.stages * self.stage_bytes()
+        return self.stages * self.stage_bytes() + self.converted_bytes()
 
     def registers(self) -> int:
         """The accumulators (block_m / 2 floats) plus ~40 of addresses, copy state and loop counters."""
@@ -100,30 +116,39 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     """The kernel(s) of `plan` as a TVMScript macro `body(x, w, scale, y, m, part)`, as linear_tiled's."""
     from tvm.script import tirx as T
 
-    n, k = spec.n, spec.k
+    n, k, fp8, wdtype = spec.n, spec.k, spec.fp8, spec.weight_dtype
     bn_rows, bm_rows, threads, stages = plan.block_n, plan.block_m, plan.threads, plan.stages
     k_atoms, k_splits = plan.k_atoms, plan.k_splits
     per_split = k // plan.slot_k // k_splits  # slots per split
     n_acc = bm_rows // 2
-    w_chunks, x_chunks = k_atoms * bn_rows * 8, k_atoms * bm_rows * 8  # 16-byte chunks per slot
+    w_row_chunks = ATOM_K * plan.weight_bytes // 16  # 16-byte chunks of a weight row's atom: 8 bf16, 4 e4m3
+    w_chunks, x_chunks = k_atoms * bn_rows * w_row_chunks, k_atoms * bm_rows * 8  # 16-byte chunks per slot
     w_rounds, x_rounds = -(-w_chunks // threads), -(-x_chunks // threads)
     n_blocks = -(-n // bn_rows)
+    w_elems = stages * k_atoms * bn_rows * ATOM_K * plan.weight_bytes // 2  # the weight slots, in bf16 units
+    x_elems = stages * k_atoms * bm_rows * ATOM_K
     mma, wait = mma_name(bm_rows), wait_name(bm_rows)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
+
+    def w_column(c: Any, row: Any) -> Any:
+        # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones
+        # unswizzled (the conversion writes the swizzled bf16 tile)
+        return c % 4 * 16 if fp8 else T.bitwise_xor(c % 8, row % 8) * 8
 
     @T.macro
     def load_w_stage(w, ws, bn, ks, tid, slot, step):
         if step < per_split:
             for i in T.unroll(w_rounds):
                 c = T.meta_var(i * threads + tid)
-                atom = T.meta_var(c // (bn_rows * 8))
-                row = T.meta_var(c // 8 % bn_rows)
+                atom = T.meta_var(c // (bn_rows * w_row_chunks))
+                row = T.meta_var(c // w_row_chunks % bn_rows)
                 if w_chunks % threads == 0 or c < w_chunks:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                        T.address_of(ws[slot, atom, row, T.bitwise_xor(c % 8, row % 8) * 8]),
+                        T.address_of(ws[slot, atom, row, w_column(c, row)]),
                         T.address_of(w[T.min(bn * bn_rows + row, n - 1),
-                                       ((ks * per_split + step) * k_atoms + atom) * ATOM_K + c % 8 * 8]),
+                                       ((ks * per_split + step) * k_atoms + atom) * ATOM_K
+                                       + c % w_row_chunks * (16 // plan.weight_bytes)]),
                         16,
                     ))  # fmt: skip
 
@@ -146,6 +171,23 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
         T.evaluate(T.ptx["cp.async.commit_group"]())
 
     @T.macro
+    def convert(ws, wc, tid, slot):
+        # FP8: each 16-byte e4m3 chunk of the slot becomes two bf16 chunks of the swizzled tile, four values
+        # per call (fp8_convert.py); the tile is free once every warpgroup waited for its last wgmmas
+        for i in T.unroll(w_rounds):
+            c = T.meta_var(i * threads + tid)
+            atom = T.meta_var(c // (bn_rows * 4))
+            row = T.meta_var(c // 4 % bn_rows)
+            if w_chunks % threads == 0 or c < w_chunks:
+                for q in T.unroll(4):
+                    T.evaluate(T.call_extern(
+                        "void", E4M3X4_TO_BF16,
+                        T.address_of(wc[atom, row, T.bitwise_xor(c % 4 * 2 + q // 2, row % 8) * 8 + q % 2 * 4]),
+                        T.address_of(wc[atom, row, T.bitwise_xor(c % 4 * 2 + q // 2, row % 8) * 8 + q % 2 * 4 + 2]),
+                        T.address_of(ws[slot, atom, row, c % 4 * 16 + q * 4]),
+                    ))  # fmt: skip
+
+    @T.macro
     def body(x, w, scale, y, m, part):
         for bm in T.thread_binding(T.ceildiv(m, bm_rows), thread="blockIdx.x"):
             for bn in T.thread_binding(n_blocks, thread="blockIdx.y"):
@@ -155,14 +197,16 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                             with T.sblock("wgmma"):
                                 T.reads()
                                 T.writes()
-                                # one allocation carved in two: the weight slots, then the x slots
+                                # one allocation carved in three: the weight slots, the x slots, then (FP8) the
+                                # converted weight tile
                                 smem = T.sblock_alloc_buffer((plan.shared_bytes() // 2,), "bfloat16",
                                                              scope="shared.dyn")  # fmt: skip
-                                ws = T.decl_buffer((stages, k_atoms, bn_rows, ATOM_K), "bfloat16", data=smem.data,
+                                ws = T.decl_buffer((stages, k_atoms, bn_rows, ATOM_K), wdtype, data=smem.data,
                                                    scope="shared.dyn")  # fmt: skip
                                 xs = T.decl_buffer((stages, k_atoms, bm_rows, ATOM_K), "bfloat16", data=smem.data,
-                                                   elem_offset=stages * k_atoms * bn_rows * ATOM_K,
-                                                   scope="shared.dyn")  # fmt: skip
+                                                   elem_offset=w_elems, scope="shared.dyn")  # fmt: skip
+                                wc = T.decl_buffer((k_atoms, bn_rows, ATOM_K), "bfloat16", data=smem.data,
+                                                   elem_offset=w_elems + x_elems, scope="shared.dyn")  # fmt: skip
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
@@ -181,11 +225,16 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                     load_x_stage(x, m, xs, bm, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
                                     if kt == max(per_split - stages, 0):  # the last weight copies are out
                                         T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
+                                    if fp8:
+                                        convert(ws, wc, tid, kt % stages)
+                                        T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                                        T.tvm_storage_sync("shared")
                                     T.evaluate(T.call_extern("void", FENCE))
                                     for atom in T.unroll(k_atoms):
                                         for kk in T.unroll(ATOM_K // WGMMA_K):
                                             T.evaluate(T.call_extern(
                                                 "void", mma, T.address_of(acc[0]),
+                                                T.address_of(wc[atom, wg * 64, kk * WGMMA_K]) if fp8 else
                                                 T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
                                                 T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
                                             ))  # fmt: skip

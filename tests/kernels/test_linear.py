@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT, kernel_bodies
+from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
@@ -483,7 +484,7 @@ def test_n_warps_share_one_x_tile(target):
 def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     """By default a linear is a GEMV-mode kernel up to gemm_rows rows and the tiled GEMM above (with its
     merge kernel when k is split), picked by the host code per call and recorded as each launch's condition.
-    (On sm_90 the bf16 GEMM is the warpgroup one by default: test_bf16_gemm_on_sm90_is_the_warpgroup_gemm.)"""
+    (On sm_90 the GEMM is the warpgroup one by default: test_gemm_on_sm90_is_the_warpgroup_gemm.)"""
     kernel = LinearMmaRule().apply(spec, target, {"gemm_wgmma": 0})
     assert kernel.knobs["gemm_rows"] == 32 and kernel.knobs["x_stages"] == 0
     tiled = {key[5:]: value for key, value in kernel.knobs.items() if key.startswith("gemm_") and key != "gemm_rows"}
@@ -562,13 +563,17 @@ def assert_triggers_after_its_last_weight_copies(body: str, spec: LinearSpec, pl
         (LinearSpec("matmul", 4096, 4096), WgmmaPlan(1, 128, 4, 1, 4)),
         # ragged n and a split of fewer slots than the pipeline holds
         (LinearSpec("matmul", 200, 128), WgmmaPlan(3, 128, 4, 1, 2)),
+        # e4m3 weights: slots of 64 bytes a row, converted into one bf16 tile per slot
+        (LinearSpec("matmul_fp8", 24576, 4096, FP8), WgmmaPlan(3, 128, 4, 1, 1, 1)),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), WgmmaPlan(1, 128, 4, 1, 2, 1)),
     ],
-    ids=["qkv", "lm_head", "o_proj", "tiny"],
+    ids=["qkv", "lm_head", "o_proj", "tiny", "gate_up-fp8", "qkv-fp8"],
 )
-def test_bf16_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
-    """On sm_90 the calls of a bf16 weight above gemm_rows rows go to the warpgroup GEMM (linear_wgmma.py):
-    whole operand tiles copied into 128-byte-swizzled slots, 4 wgmma m64n128k16 per 64-wide k atom of a slot,
-    one commit and one wait per slot, and the copies made visible to the async proxy before the barrier."""
+def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
+    """On sm_90 the calls above gemm_rows rows go to the warpgroup GEMM (linear_wgmma.py): whole operand
+    tiles copied into 128-byte-swizzled slots (e4m3 weights unswizzled, then converted into one swizzled
+    bf16 tile behind a second barrier), 4 wgmma m64n128k16 per 64-wide k atom of a slot, one commit and one
+    wait per slot, and shared-memory writes made visible to the async proxy before each barrier."""
     kernel = LinearMmaRule().apply(spec, SM90)
     assert kernel.knobs["gemm_wgmma"] == 1
     assert not [key for key in kernel.knobs if key.startswith("gemm_") and key not in ("gemm_rows", "gemm_wgmma")]
@@ -590,13 +595,20 @@ def test_bf16_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     body = cuda.source[slice(*kernel_bodies(cuda.source)[gemm.name])]
     assert "(x_ptr + " not in body and "(w_ptr + " not in body and "mma.sync" not in body
     if full:  # the prologue's stages - 1 slots and the loop's one, every thread an equal share
-        w_rounds, x_rounds = (-(-rows * 8 * plan.k_atoms // plan.threads) for rows in (plan.block_n, plan.block_m))
+        w_chunks = plan.block_n * 8 * plan.weight_bytes // 2 * plan.k_atoms
+        w_rounds, x_rounds = (-(-chunks // plan.threads) for chunks in (w_chunks, plan.block_m * 8 * plan.k_atoms))
         assert body.count("cp_async_cg_") == (w_rounds + x_rounds) * plan.stages
         assert body.count("cp_async_cg_ignore_src") == x_rounds * plan.stages
     loop = body[body.index("for (int kt = 0;") :] if per_split > 1 else body[body.index(f"{WAIT}();") :]
     wait, fence, barrier = (loop.index(f"cp_async_wait_group_async_wait_group_{plan.stages - 2}()"),
                             loop.index(f"{FENCE_ASYNC_SHARED}();"), loop.index("__syncthreads()"))  # fmt: skip
-    assert wait < fence < barrier and loop.count("__syncthreads()") == 1
+    assert wait < fence < barrier and loop.count("__syncthreads()") == 1 + plan.fp8
+    if plan.fp8:  # each thread converts the chunks it copied, 4 values a call, then all meet again
+        converts = -(-plan.block_n * 4 * plan.k_atoms // plan.threads) * 4
+        second = loop.index("__syncthreads()", barrier + 1)
+        assert loop.count(f"{E4M3X4_TO_BF16}(") == converts and body.count(f"{E4M3X4_TO_BF16}(") == converts
+        assert barrier < loop.index(f"{E4M3X4_TO_BF16}(") < loop.index(f"{FENCE_ASYNC_SHARED}();", barrier) < second
+        barrier = second
     mma = f"{mma_name(plan.block_m)}("
     assert body.count(mma) == 4 * plan.k_atoms
     assert barrier < loop.index(f"{WGMMA_FENCE}();") < loop.index(mma)
@@ -612,16 +624,16 @@ def test_bf16_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     assert cuda.source.count(f"void {mma_name(plan.block_m)}(") == 1
 
 
-def test_warpgroup_gemm_is_for_bf16_weights_on_sm90():
-    """sm_12x has no wgmma and FP8 weights would need converting in shared memory: both keep the tiled
-    mma.sync GEMM, and asking for the warpgroup one there is an error, as is a k of partial 64-wide atoms."""
+def test_warpgroup_gemm_needs_wgmma_and_whole_k_atoms():
+    """sm_12x has no wgmma: its GEMMs stay on the tiled mma.sync kernel, as does a k of partial 64-wide
+    atoms on sm_90, and asking for the warpgroup one there is an error."""
     rule = LinearMmaRule()
     qkv, qkv_fp8, short_k = (
         LinearSpec("matmul", 6144, 4096),
         LinearSpec("matmul_fp8", 6144, 4096, FP8),
         LinearSpec("matmul", 200, 96),
     )
-    for spec, target in ((qkv, SM120), (qkv, SM121), (qkv_fp8, SM90), (short_k, SM90)):
+    for spec, target in ((qkv, SM120), (qkv, SM121), (qkv_fp8, SM121), (short_k, SM90)):
         kernel = rule.apply(spec, target)
         assert kernel.knobs["gemm_wgmma"] == 0 and "gemm_n_tiles" in kernel.knobs, (spec.name, target.name)
         assert not [key for key in kernel.knobs if key.startswith("wgmma_")]
