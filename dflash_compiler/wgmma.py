@@ -27,6 +27,7 @@ import re
 
 FENCE = "dflash_wgmma_fence"  # orders register accesses of the accumulators before the next wgmma
 COMMIT = "dflash_wgmma_commit"
+WAIT_PRIOR = "dflash_wgmma_wait_prior"  # every committed group but the last has completed
 FENCE_ASYNC_SHARED = "dflash_fence_async_shared"  # generic-proxy shared writes (cp.async) → wgmma's reads
 _MMA = "dflash_wgmma_m64n{n}k16"
 _WAIT = "dflash_wgmma_wait_n{n}"
@@ -38,6 +39,7 @@ PRELUDE = f"""\
 // warpgroup MMA (dflash_compiler.wgmma)
 __device__ __forceinline__ void {FENCE}() {{ asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }}
 __device__ __forceinline__ void {COMMIT}() {{ asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }}
+__device__ __forceinline__ void {WAIT_PRIOR}() {{ asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }}
 __device__ __forceinline__ void {FENCE_ASYNC_SHARED}() {{
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }}

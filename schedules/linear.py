@@ -472,22 +472,28 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     sums' traffic against the weight's (each split writes and reads back m · n f32 at m = 128: 4 · 128 ·
     splits / k of a bf16 weight's bytes, twice that of an e4m3 one's). Candidates, by shared memory: one
     warpgroup of four slots and two of three (two blocks per SM on sm_90), three or four warpgroups of
-    four slots (one); ties go to fewer splits, then in that order of warpgroups 2, 3, 4, 1.
+    four slots (one); ties go to fewer splits, then in that order of warpgroups 2, 3, 4, 1. FP8 weights
+    keep one slot's wgmmas in flight (mma_groups 2) with a slot more for three or four warpgroups: their
+    conversion of the next slot then runs beside the wgmmas instead of before them; their ties go to one
+    warpgroup first (measured best on the narrow weights), two last (four slots of it take one block per SM).
 
     H200, µs at 128 rows (bench/linear.py --gemm; candidate chosen → others): gate_up 59.7 with three
     warpgroups (128 blocks, one wave) → 65.5 with two (192 of 264 slots) and 65.6 with four; lm_head 377.7
     (792 blocks, six waves exactly) → 406.7 and 406.3; qkv 26.3 with two warpgroups and 4 splits → 26.7
     with four, 31.0 with one, 39.8 unsplit; o_proj 17.5 with one and 4 splits → 19.3 with two; down 37.5
     with one and 4 splits → 39.8 with two and 8, 111.8 unsplit. The tiled mma.sync GEMM took 94.6, 640,
-    52.7, 52.1 and 152.7.
+    52.7, 52.1 and 152.7. FP8, one group in flight against none: gate_up_fp8 76.2 µs (five slots) against
+    103.6, lm_head_fp8 458.1 against 572.3, down_fp8 48.5 against 50.4 (the tiled GEMM: 137.2, 591.9,
+    285.8); bf16 gained nothing from it at 128 rows (gate_up 59.5 against 59.3, lm_head 367.3 against 365.8).
     """
     per_sm = {1: 2, 2: 2, 3: 1, 4: 1}  # blocks per SM at the slots below (sm_90's 228 KiB)
     atoms = spec.k // 64
     # per weight row and split: m = 128 f32 partial sums written and read back, against the row's weight
     partial_bytes, weight_bytes = 2 * 4 * 128, spec.k * ITEM_BYTES[spec.weight_dtype]
     best: tuple[tuple[float, int, int], dict[str, int]] | None = None
-    for order, (groups, stages) in enumerate(((2, 3), (3, 4), (4, 4), (1, 4))):
-        plan = WgmmaPlan(groups, 128, stages, 1, 1, ITEM_BYTES[spec.weight_dtype])
+    shapes = ((1, 4, 2), (3, 5, 2), (4, 5, 2), (2, 4, 2)) if spec.fp8 else ((2, 3, 1), (3, 4, 1), (4, 4, 1), (1, 4, 1))
+    for order, (groups, stages, mma_groups) in enumerate(shapes):
+        plan = WgmmaPlan(groups, 128, stages, 1, 1, mma_groups, ITEM_BYTES[spec.weight_dtype])
         blocks_per_sm = min(target.shared_memory_per_sm // plan.shared_bytes(), per_sm[groups])
         if blocks_per_sm < 1 or plan.threads > target.max_threads_per_block:
             continue
@@ -499,7 +505,7 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
             key = (round(cost, 3), splits, order)
             if best is None or key < best[0]:
                 best = (key, {"warpgroups": groups, "block_m": 128, "stages": stages, "k_atoms": 1,
-                              "k_splits": splits})  # fmt: skip
+                              "k_splits": splits, "mma_groups": mma_groups})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
     return best[1]
@@ -519,6 +525,12 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
         raise ScheduleError(
             f"{rule} wgmma knobs {values}: expected positive values and stages >= 2 (one slot copied while one "
             "is multiplied)"
+        )
+    if values["mma_groups"] > 2 or values["stages"] <= values["mma_groups"]:
+        raise ScheduleError(
+            f"{rule} knobs wgmma_mma_groups={values['mma_groups']}, wgmma_stages={values['stages']}: expected 1 "
+            "(wait for each slot's wgmmas) or 2 (one slot's stay in flight) groups, and more slots than groups "
+            "(a slot's copies fly while the groups' slots are read)"
         )
     if values["block_m"] % 8 or values["block_m"] > 256:
         raise ScheduleError(f"{rule} knob wgmma_block_m={values['block_m']}: wgmma's N is a multiple of 8 up to 256")

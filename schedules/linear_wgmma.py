@@ -6,18 +6,21 @@ has `warpgroups` warpgroups of four warps; warpgroup i owns weight rows [64i, 64
 × 16 and its operands never pass through registers (dflash_compiler/wgmma.py).
 
 The pipeline is linear_tiled.py's: `stages` shared-memory slots, each `k_atoms` atoms of 64 k (one
-128-byte swizzle row), filled with 16-byte `cp.async` copies `stages - 1` slots ahead of the one
-multiplied. Slot s holds, per atom, a K-major 128-byte-swizzled tile of the block's weight rows and one of
-its x rows (the layout wgmma's descriptors describe: 16-byte chunk c of row r at chunk c xor r mod 8).
-Eight consecutive threads copy one 128-byte row segment, so every global read is one full line. Per slot a
-thread waits for its own copies, makes them visible to the async proxy (`fence.proxy.async`), and a block
-barrier makes everyone's visible and ends every read of the slot the next copies overwrite (each
-warpgroup waited for its wgmmas before the barrier). Then the warpgroup issues 4 · k_atoms wgmmas, commits
-them as one group and waits for it. Weight rows past n read row n - 1 and rows of x past m are zero-filled
+128-byte swizzle row), filled with 16-byte `cp.async` copies `lead = stages - mma_groups` slots ahead of
+the one multiplied. Slot s holds, per atom, a K-major 128-byte-swizzled tile of the block's weight rows
+and one of its x rows (the layout wgmma's descriptors describe: 16-byte chunk c of row r at chunk c xor
+r mod 8). Eight consecutive threads copy one 128-byte row segment, so every global read is one full line.
+Per slot a thread waits for its own copies, makes them visible to the async proxy (`fence.proxy.async`),
+and a block barrier makes everyone's visible and ends every read of the slot the next copies overwrite.
+Then the warpgroup issues 4 · k_atoms wgmmas and commits them as one group. With `mma_groups` 1 it waits
+for the group before the next slot; with 2 it waits only for the slot before's, so the current slot's
+wgmmas run on while the next slot is waited for (and, FP8, converted into the other of two tiles): the
+slot they read is `lead` slots behind the copies, and every thread has waited for them by the barrier
+after next. Weight rows past n read row n - 1 and rows of x past m are zero-filled
 (ignore-src); neither is stored.
 
 e4m3 weights (FP8) are copied as they are, 64 bytes a row per atom, and after the slot's barrier each thread
-converts the chunks it copied into one bf16 tile of the swizzled layout (four values per call of
+converts the chunks it copied into a bf16 tile of the swizzled layout (four values per call of
 fp8_convert.py's integer conversion, exact); a second fence and barrier then let the wgmmas read it. The
 per-row scale is applied where the accumulators are stored (or by the k-split merge).
 
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
-from dflash_compiler.wgmma import COMMIT, FENCE, FENCE_ASYNC_SHARED, SWIZZLE_BYTES, mma_name, wait_name
+from dflash_compiler.wgmma import COMMIT, FENCE, FENCE_ASYNC_SHARED, SWIZZLE_BYTES, WAIT_PRIOR, mma_name, wait_name
 
 from .linear_tiled import merge_macro, store_macro
 
@@ -51,7 +54,7 @@ WARPGROUP = 4 * WARP
 ATOM_K = SWIZZLE_BYTES // 2  # bf16 per swizzled row
 WGMMA_K = 16
 # the plan's knob fields (LinearMmaRule takes them as wgmma_<name>)
-WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits")
+WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class WgmmaPlan:
     stages: int  # shared-memory slots of the copy pipeline
     k_atoms: int  # 64-wide k atoms per slot
     k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
+    mma_groups: int = 1  # slots' wgmma groups a warpgroup has in flight: 2 keeps one running into the next slot
     weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
 
     # the store's view of a warp (linear_tiled.store_macro): one 16-row weight tile by block_m / 8 x tiles
@@ -97,9 +101,14 @@ class WgmmaPlan:
         """One slot: the weight rows' k atoms as stored (64 bytes a row per e4m3 atom), x's as bf16."""
         return self.k_atoms * (self.block_n * ATOM_K * self.weight_bytes + self.block_m * SWIZZLE_BYTES)
 
+    @property
+    def lead(self) -> int:
+        """Slots whose copies are in flight ahead of the one multiplied (the others' wgmmas may still read)."""
+        return self.stages - self.mma_groups
+
     def converted_bytes(self) -> int:
-        """FP8: the one bf16 tile of a slot's weight that the wgmmas read (none for bf16 weights)."""
-        return self.k_atoms * self.block_n * SWIZZLE_BYTES if self.fp8 else 0
+        """FP8: the bf16 tiles of a slot's weight that the wgmmas read, one per group in flight (none for bf16)."""
+        return self.mma_groups * self.k_atoms * self.block_n * SWIZZLE_BYTES if self.fp8 else 0
 
     def shared_bytes(self) -> int:
         return self.stages * self.stage_bytes() + self.converted_bytes()
@@ -121,6 +130,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     k_atoms, k_splits = plan.k_atoms, plan.k_splits
     per_split = k // plan.slot_k // k_splits  # slots per split
     n_acc = bm_rows // 2
+    groups, lead = plan.mma_groups, plan.lead
     w_row_chunks = ATOM_K * plan.weight_bytes // 16  # 16-byte chunks of a weight row's atom: 8 bf16, 4 e4m3
     w_chunks, x_chunks = k_atoms * bn_rows * w_row_chunks, k_atoms * bm_rows * 8  # 16-byte chunks per slot
     w_rounds, x_rounds = -(-w_chunks // threads), -(-x_chunks // threads)
@@ -171,7 +181,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
         T.evaluate(T.ptx["cp.async.commit_group"]())
 
     @T.macro
-    def convert(ws, wc, tid, slot):
+    def convert(ws, wc, tid, slot, tile):
         # FP8: each 16-byte e4m3 chunk of the slot becomes two bf16 chunks of the swizzled tile, four values
         # per call (fp8_convert.py); the tile is free once every warpgroup waited for its last wgmmas
         for i in T.unroll(w_rounds):
@@ -180,10 +190,11 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
             row = T.meta_var(c // 4 % bn_rows)
             if w_chunks % threads == 0 or c < w_chunks:
                 for q in T.unroll(4):
+                    col = T.meta_var(T.bitwise_xor(c % 4 * 2 + q // 2, row % 8) * 8 + q % 2 * 4)
                     T.evaluate(T.call_extern(
                         "void", E4M3X4_TO_BF16,
-                        T.address_of(wc[atom, row, T.bitwise_xor(c % 4 * 2 + q // 2, row % 8) * 8 + q % 2 * 4]),
-                        T.address_of(wc[atom, row, T.bitwise_xor(c % 4 * 2 + q // 2, row % 8) * 8 + q % 2 * 4 + 2]),
+                        T.address_of(wc[tile, atom, row, col]),
+                        T.address_of(wc[tile, atom, row, col + 2]),
                         T.address_of(ws[slot, atom, row, c % 4 * 16 + q * 4]),
                     ))  # fmt: skip
 
@@ -205,28 +216,30 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                                    scope="shared.dyn")  # fmt: skip
                                 xs = T.decl_buffer((stages, k_atoms, bm_rows, ATOM_K), "bfloat16", data=smem.data,
                                                    elem_offset=w_elems, scope="shared.dyn")  # fmt: skip
-                                wc = T.decl_buffer((k_atoms, bn_rows, ATOM_K), "bfloat16", data=smem.data,
+                                wc = T.decl_buffer((groups, k_atoms, bn_rows, ATOM_K), "bfloat16", data=smem.data,
                                                    elem_offset=w_elems + x_elems, scope="shared.dyn")  # fmt: skip
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
                                 for i in T.unroll(n_acc):
                                     acc[i] = T.float32(0)
-                                for s in T.unroll(stages - 1):
+                                for s in T.unroll(lead):
                                     load_w_stage(w, ws, bn, ks, tid, s, s)
                                 T.evaluate(T.call_extern("void", WAIT))
-                                for s in T.unroll(stages - 1):
+                                for s in T.unroll(lead):
                                     load_x_stage(x, m, xs, bm, ks, tid, s, s)
                                 for kt in range(per_split):
-                                    T.evaluate(T.ptx["cp.async.wait_group"](stages - 2))
+                                    T.evaluate(T.ptx["cp.async.wait_group"](lead - 1))
                                     T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                                    # everyone's copies of slot kt landed, and every wgmma that read the slot
+                                    # (and FP8 tile) overwritten next has completed (each thread waited)
                                     T.tvm_storage_sync("shared")
-                                    load_w_stage(w, ws, bn, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
-                                    load_x_stage(x, m, xs, bm, ks, tid, (kt + stages - 1) % stages, kt + stages - 1)
-                                    if kt == max(per_split - stages, 0):  # the last weight copies are out
+                                    load_w_stage(w, ws, bn, ks, tid, (kt + lead) % stages, kt + lead)
+                                    load_x_stage(x, m, xs, bm, ks, tid, (kt + lead) % stages, kt + lead)
+                                    if kt == max(per_split - 1 - lead, 0):  # the last weight copies are out
                                         T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
                                     if fp8:
-                                        convert(ws, wc, tid, kt % stages)
+                                        convert(ws, wc, tid, kt % stages, kt % groups)
                                         T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
                                         T.tvm_storage_sync("shared")
                                     T.evaluate(T.call_extern("void", FENCE))
@@ -234,11 +247,16 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                         for kk in T.unroll(ATOM_K // WGMMA_K):
                                             T.evaluate(T.call_extern(
                                                 "void", mma, T.address_of(acc[0]),
-                                                T.address_of(wc[atom, wg * 64, kk * WGMMA_K]) if fp8 else
+                                                T.address_of(wc[kt % groups, atom, wg * 64, kk * WGMMA_K]) if fp8 else
                                                 T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
                                                 T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
                                             ))  # fmt: skip
                                     T.evaluate(T.call_extern("void", COMMIT))
+                                    if groups == 1:
+                                        T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+                                    else:  # the slot before's group has completed; this one runs on
+                                        T.evaluate(T.call_extern("void", WAIT_PRIOR))
+                                if groups > 1:
                                     T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
                                 store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
         if k_splits > 1:

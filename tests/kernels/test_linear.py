@@ -36,7 +36,7 @@ from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90, SM120, SM121
 from dflash_compiler.wgmma import COMMIT as WGMMA_COMMIT
 from dflash_compiler.wgmma import FENCE as WGMMA_FENCE
-from dflash_compiler.wgmma import FENCE_ASYNC_SHARED, mma_function, mma_name, needed_prelude, wait_name
+from dflash_compiler.wgmma import FENCE_ASYNC_SHARED, WAIT_PRIOR, mma_function, mma_name, needed_prelude, wait_name
 
 tvm = pytest.importorskip("tvm")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -547,9 +547,10 @@ def assert_triggers_after_its_last_weight_copies(body: str, spec: LinearSpec, pl
     per_split = spec.k // slot_k // plan.k_splits
     assert body.count(f"{LAUNCH_DEPENDENTS}();") == 1
     assert body.rindex("commit_group") < body.index(f"{LAUNCH_DEPENDENTS}();")
+    lead = plan.lead if isinstance(plan, WgmmaPlan) else plan.stages - 1  # slots copied ahead
     if per_split > 1:  # a loop of one step is no loop: its trigger needs no condition
         trigger = re.search(rf"if \(kt == (\d+)\) \{{\s*{LAUNCH_DEPENDENTS}\(\);", body)
-        assert trigger and int(trigger.group(1)) == max(per_split - plan.stages, 0)
+        assert trigger and int(trigger.group(1)) == max(per_split - 1 - lead, 0)
 
 
 @pytest.mark.parametrize(
@@ -564,17 +565,22 @@ def assert_triggers_after_its_last_weight_copies(body: str, spec: LinearSpec, pl
         # ragged n and a split of fewer slots than the pipeline holds
         (LinearSpec("matmul", 200, 128), WgmmaPlan(3, 128, 4, 1, 2)),
         # e4m3 weights: slots of 64 bytes a row, converted into one bf16 tile per slot
-        (LinearSpec("matmul_fp8", 24576, 4096, FP8), WgmmaPlan(3, 128, 4, 1, 1, 1)),
-        (LinearSpec("matmul_fp8", 6144, 4096, FP8), WgmmaPlan(1, 128, 4, 1, 2, 1)),
+        # ... with one slot's wgmmas in flight while the next slot is waited for and converted into the other tile
+        (LinearSpec("matmul_fp8", 24576, 4096, FP8), WgmmaPlan(3, 128, 5, 1, 1, 2, 1)),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), WgmmaPlan(1, 128, 4, 1, 2, 2, 1)),
+        # the same for bf16 weights, by knob (their default waits for each slot's wgmmas)
+        (LinearSpec("matmul", 24576, 4096, name="groups2"), WgmmaPlan(3, 128, 5, 1, 1, 2)),
+        (LinearSpec("matmul_fp8", 24576, 4096, FP8, name="groups1_fp8"), WgmmaPlan(3, 128, 4, 1, 1, 1, 1)),
     ],
-    ids=["qkv", "lm_head", "o_proj", "tiny", "gate_up-fp8", "qkv-fp8"],
+    ids=["qkv", "lm_head", "o_proj", "tiny", "gate_up-fp8", "qkv-fp8", "groups2", "groups1-fp8"],
 )
 def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     """On sm_90 the calls above gemm_rows rows go to the warpgroup GEMM (linear_wgmma.py): whole operand
     tiles copied into 128-byte-swizzled slots (e4m3 weights unswizzled, then converted into one swizzled
     bf16 tile behind a second barrier), 4 wgmma m64n128k16 per 64-wide k atom of a slot, one commit and one
     wait per slot, and shared-memory writes made visible to the async proxy before each barrier."""
-    kernel = LinearMmaRule().apply(spec, SM90)
+    knobs = {"wgmma_mma_groups": plan.mma_groups, "wgmma_stages": plan.stages} if "groups" in spec.name else {}
+    kernel = LinearMmaRule().apply(spec, SM90, knobs)
     assert kernel.knobs["gemm_wgmma"] == 1
     assert not [key for key in kernel.knobs if key.startswith("gemm_") and key not in ("gemm_rows", "gemm_wgmma")]
     assert fit_wgmma_plan(spec, SM90, {name: kernel.knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS}) == plan
@@ -597,10 +603,10 @@ def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     if full:  # the prologue's stages - 1 slots and the loop's one, every thread an equal share
         w_chunks = plan.block_n * 8 * plan.weight_bytes // 2 * plan.k_atoms
         w_rounds, x_rounds = (-(-chunks // plan.threads) for chunks in (w_chunks, plan.block_m * 8 * plan.k_atoms))
-        assert body.count("cp_async_cg_") == (w_rounds + x_rounds) * plan.stages
-        assert body.count("cp_async_cg_ignore_src") == x_rounds * plan.stages
+        assert body.count("cp_async_cg_") == (w_rounds + x_rounds) * (plan.lead + 1)
+        assert body.count("cp_async_cg_ignore_src") == x_rounds * (plan.lead + 1)
     loop = body[body.index("for (int kt = 0;") :] if per_split > 1 else body[body.index(f"{WAIT}();") :]
-    wait, fence, barrier = (loop.index(f"cp_async_wait_group_async_wait_group_{plan.stages - 2}()"),
+    wait, fence, barrier = (loop.index(f"cp_async_wait_group_async_wait_group_{plan.lead - 1}()"),
                             loop.index(f"{FENCE_ASYNC_SHARED}();"), loop.index("__syncthreads()"))  # fmt: skip
     assert wait < fence < barrier and loop.count("__syncthreads()") == 1 + plan.fp8
     if plan.fp8:  # each thread converts the chunks it copied, 4 values a call, then all meet again
@@ -613,6 +619,11 @@ def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     assert body.count(mma) == 4 * plan.k_atoms
     assert barrier < loop.index(f"{WGMMA_FENCE}();") < loop.index(mma)
     assert loop.rindex(mma) < loop.index(f"{WGMMA_COMMIT}();") < loop.index(f"{wait_name(plan.block_m)}(")
+    assert body.count(f"{wait_name(plan.block_m)}(") == 1  # in the loop, or after it with a group in flight
+    if plan.mma_groups == 2:
+        end = loop.index("\n  }\n")  # the k loop's closing brace
+        assert loop.index(f"{WGMMA_COMMIT}();") < loop.index(f"{WAIT_PRIOR}();") < end
+        assert end < loop.index(f"{wait_name(plan.block_m)}(")
     # the k16 slices of one atom: the tile base advanced 16 bf16 (32 bytes) at a time, inside the swizzle row
     calls = [line for line in body.splitlines() if mma in line]
     b_offsets = [int(re.search(r"(\d+)\)?\]\)\)\);$", line).group(1)) for line in calls]
@@ -653,6 +664,8 @@ def test_warpgroup_gemm_needs_wgmma_and_whole_k_atoms():
         ({"wgmma_block_m": 264}, "multiple of 8 up to 256"),
         ({"wgmma_warpgroups": 9}, "at most 8 warpgroups"),
         ({"wgmma_warpgroups": 4, "wgmma_block_m": 256, "wgmma_stages": 4}, "lower wgmma_stages"),  # 4 x 64 KiB
+        ({"wgmma_mma_groups": 3}, "expected 1 .* or 2"),
+        ({"wgmma_mma_groups": 2, "wgmma_stages": 2}, "more slots than groups"),
     ],
 )
 def test_bad_wgmma_knobs_are_refused(knobs, message):
@@ -664,7 +677,7 @@ def test_wgmma_plan_fits_the_k_atoms():
     """k_splits: the largest divisor of the 64-wide atoms up to the knob; k_atoms: a power of two dividing a
     split's atoms."""
     spec = LinearSpec("matmul", 200, 384)  # 6 atoms
-    knobs = {"warpgroups": 1, "block_m": 64, "stages": 2, "k_atoms": 4, "k_splits": 4}
+    knobs = {"warpgroups": 1, "block_m": 64, "stages": 2, "k_atoms": 4, "k_splits": 4, "mma_groups": 1}
     assert fit_wgmma_plan(spec, SM90, knobs) == WgmmaPlan(1, 64, 2, 2, 3)  # 3 splits of 2 atoms, one slot each
     assert fit_wgmma_plan(spec, SM90, {**knobs, "k_splits": 1}).k_atoms == 2  # 6 atoms: 2 divides, 4 does not
 
