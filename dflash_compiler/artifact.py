@@ -34,7 +34,7 @@ from dflash_compiler.options import BuildOptions
 from dflash_compiler.plans import KVCachePlan, MemoryPlan, PrecisionMap
 from dflash_compiler.targets import Target
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MANIFEST = "manifest.json"
 CUBIN = "kernels.cubin"
 SOURCE = "kernels.cu"

@@ -238,8 +238,8 @@ class LinearMmaRule(FamilyRule):
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
     (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma) makes that
     GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
-    `wgmma_k_atoms` and `wgmma_k_splits` (WgmmaPlan; 0 takes `wgmma_defaults`); the other GEMM's knobs are
-    refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
+    `wgmma_k_atoms`, `wgmma_k_splits` and `wgmma_mma_groups` (WgmmaPlan; 0 takes `wgmma_defaults`); the
+    other GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 weight rows and 16 rows of x per block, that many
     slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight
     stream is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`,

@@ -113,10 +113,6 @@ class WgmmaPlan:
     def shared_bytes(self) -> int:
         return self.stages * self.stage_bytes() + self.converted_bytes()
 
-    def registers(self) -> int:
-        """The accumulators (block_m / 2 floats) plus ~40 of addresses, copy state and loop counters."""
-        return self.block_m // 2 + 40
-
     def knobs(self) -> dict[str, int]:
         return {f"wgmma_{name}": getattr(self, name) for name in WGMMA_KNOBS}
 

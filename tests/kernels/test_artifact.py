@@ -14,6 +14,7 @@ from dflash_compiler.artifact import (
     CUBIN,
     GRAPH,
     MANIFEST,
+    SCHEMA_VERSION,
     SOURCE,
     WEIGHTS,
     ArtifactError,
@@ -122,7 +123,7 @@ def test_identical_inputs_give_identical_bytes(built, checkpoint, tmp_path):
         ),
         (
             lambda p: (p / MANIFEST).write_text(
-                (p / MANIFEST).read_text().replace('"schema_version": 2', '"schema_version": 99')
+                (p / MANIFEST).read_text().replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 99')
             ),
             "schema version 99",
         ),
