@@ -29,6 +29,7 @@ FENCE = "dflash_wgmma_fence"  # orders register accesses of the accumulators bef
 COMMIT = "dflash_wgmma_commit"
 WAIT_PRIOR = "dflash_wgmma_wait_prior"  # every committed group but the last has completed
 FENCE_ASYNC_SHARED = "dflash_fence_async_shared"  # generic-proxy shared writes (cp.async) → wgmma's reads
+REQUIRE_ALIGNED = "dflash_require_swizzle_aligned"  # traps unless a tile base is 1024-byte aligned
 _MMA = "dflash_wgmma_m64n{n}k16"
 _WAIT = "dflash_wgmma_wait_n{n}"
 SWIZZLE_BYTES = 128  # one row of a tile: 64 bf16
@@ -42,6 +43,10 @@ __device__ __forceinline__ void {COMMIT}() {{ asm volatile("wgmma.commit_group.s
 __device__ __forceinline__ void {WAIT_PRIOR}() {{ asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }}
 __device__ __forceinline__ void {FENCE_ASYNC_SHARED}() {{
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}}
+__device__ __forceinline__ void {REQUIRE_ALIGNED}(const void* base) {{
+  // the descriptors assume the swizzle pattern starts at the tile's base: misaligned, every product is wrong
+  if ((unsigned)__cvta_generic_to_shared(base) & {ATOM_ALIGN - 1}u) __trap();
 }}
 __device__ __forceinline__ unsigned long long dflash_sw128_desc(const void* tile) {{
   unsigned address = (unsigned)__cvta_generic_to_shared(tile);

@@ -32,7 +32,8 @@ are issued before the wait for the grid that writes x (dependent_launch.py), the
 block has issued its last weight copies.
 
 The slots need a 1024-byte aligned base: the kernel's only shared memory is this dynamic allocation, and
-CUDA places dynamic shared memory at the start of the block's window, which is 1024-byte aligned.
+CUDA places dynamic shared memory at the start of the block's window, which is 1024-byte aligned. The
+kernel checks it first thing and traps otherwise, rather than multiply scrambled tiles.
 """
 
 from __future__ import annotations
@@ -42,7 +43,16 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
-from dflash_compiler.wgmma import COMMIT, FENCE, FENCE_ASYNC_SHARED, SWIZZLE_BYTES, WAIT_PRIOR, mma_name, wait_name
+from dflash_compiler.wgmma import (
+    COMMIT,
+    FENCE,
+    FENCE_ASYNC_SHARED,
+    REQUIRE_ALIGNED,
+    SWIZZLE_BYTES,
+    WAIT_PRIOR,
+    mma_name,
+    wait_name,
+)
 
 from .linear_tiled import merge_macro, store_macro
 
@@ -217,6 +227,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
+                                T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(smem[0])))
                                 for i in T.unroll(n_acc):
                                     acc[i] = T.float32(0)
                                 for s in T.unroll(lead):

@@ -36,7 +36,15 @@ from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90, SM120, SM121
 from dflash_compiler.wgmma import COMMIT as WGMMA_COMMIT
 from dflash_compiler.wgmma import FENCE as WGMMA_FENCE
-from dflash_compiler.wgmma import FENCE_ASYNC_SHARED, WAIT_PRIOR, mma_function, mma_name, needed_prelude, wait_name
+from dflash_compiler.wgmma import (
+    FENCE_ASYNC_SHARED,
+    REQUIRE_ALIGNED,
+    WAIT_PRIOR,
+    mma_function,
+    mma_name,
+    needed_prelude,
+    wait_name,
+)
 
 tvm = pytest.importorskip("tvm")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -600,6 +608,8 @@ def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     assert int(gemm.dynamic_smem) == plan.shared_bytes() or not full
     body = cuda.source[slice(*kernel_bodies(cuda.source)[gemm.name])]
     assert "(x_ptr + " not in body and "(w_ptr + " not in body and "mma.sync" not in body
+    # the swizzled tiles' base is checked before the first copy lands there
+    assert body.index(f"{REQUIRE_ALIGNED}((&(smem_ptr[0])));") < body.index("cp_async")
     if full:  # the prologue's stages - 1 slots and the loop's one, every thread an equal share
         w_chunks = plan.block_n * 8 * plan.weight_bytes // 2 * plan.k_atoms
         w_rounds, x_rounds = (-(-chunks // plan.threads) for chunks in (w_chunks, plan.block_m * 8 * plan.k_atoms))
