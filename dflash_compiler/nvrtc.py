@@ -97,6 +97,7 @@ def compile_cubin(
                 f"NVRTC failed to compile {name} for {arch} ({err!r}). Options: {' '.join(options)}\n"
                 f"NVRTC log (errors first):\n{_errors_first(log)}"
             )
+        _check_wgmma_pipeline(_program_log(nvrtc, prog), name, arch)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check_nvrtc(err, "nvrtcGetCUBINSize")
         cubin = b" " * size
@@ -133,6 +134,22 @@ def _errors_first(log: str, limit: int = 12000) -> str:
     errors = [ln for ln in lines if " error" in ln or ln.startswith("error")]
     text = "\n".join([*errors, "--- full log ---", *lines]) if errors else log
     return text if len(text) <= limit else text[:limit] + "\n[... log truncated ...]"
+
+
+# ptxas's notes that it serialised warpgroup MMAs or waited for them where the kernel did not: the code is
+# still correct, but the wgmma pipeline the kernel was written for is gone (C7510-C7519)
+_WGMMA_SERIALISED = ("wgmma.mma_async instructions are serialized", "wgmma.wait_group is injected")
+
+
+def _check_wgmma_pipeline(log: str, name: str, arch: str) -> None:
+    """Refuse a cubin whose warpgroup MMAs ptxas serialised: a silent slowdown of every GEMM that uses them."""
+    notes = [ln.strip() for ln in log.splitlines() if any(text in ln for text in _WGMMA_SERIALISED)]
+    if notes:
+        raise CodegenError(
+            f"ptxas serialised the warpgroup MMAs of {name} for {arch}:\n" + "\n".join(notes[:8]) + "\n"
+            "Expected every wgmma.mma_async to stay asynchronous up to its wgmma.wait_group. Fix: touch the "
+            "accumulators only after the wait that retires them, and keep them in registers (dflash_compiler/wgmma.py)"
+        )
 
 
 def _check_nvrtc(err: Any, what: str) -> None:

@@ -378,6 +378,40 @@ def test_nvrtc_errors_carry_the_log():
         compile_cubin(source, "compute_90a")
 
 
+def test_serialised_warpgroup_mmas_are_refused():
+    """ptxas keeps a wgmma that the kernel reads before its wait correct by serialising the pipeline, which
+    would silently slow every GEMM on it: the build refuses such a cubin and says why."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from dflash_compiler.nvrtc import compile_cubin
+    from dflash_compiler.wgmma import COMMIT, FENCE, PRELUDE, mma_function, mma_name, wait_name
+
+    def kernel(touch_in_flight: str) -> str:
+        return (
+            PRELUDE
+            + mma_function(64)
+            + f"""
+extern "C" __global__ void __launch_bounds__(128) k(float* out) {{
+  extern __shared__ __align__(1024) unsigned char tiles[];
+  float acc[32];
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  for (int step = 0; step < 4; ++step) {{
+    {FENCE}();
+    {mma_name(64)}(acc, tiles, tiles + 8192);
+    {COMMIT}();
+    {touch_in_flight}
+  }}
+  {wait_name(64)}(acc);
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = acc[i];
+}}
+"""
+        )
+
+    assert compile_cubin(kernel(""), "sm_90a")
+    with pytest.raises(CodegenError, match="serialised the warpgroup MMAs") as err:
+        compile_cubin(kernel("acc[step] += 1.0f;"), "sm_90a")
+    assert "wgmma" in str(err.value) and "Fix: touch the accumulators only" in str(err.value)
+
+
 def test_fast_math_is_opt_in():
     pytest.importorskip("cuda.bindings.nvrtc")
     from dflash_compiler.nvrtc import compile_cubin
