@@ -50,7 +50,7 @@ __device__ __forceinline__ void {REQUIRE_ALIGNED}(const void* base) {{
 }}
 __device__ __forceinline__ unsigned long long dflash_sw128_desc(const void* tile) {{
   unsigned address = (unsigned)__cvta_generic_to_shared(tile);
-  return (unsigned long long)((address & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+  return (unsigned long long)((address & 0x3FFFFu) >> 4) | (1ull << 16) | ({ATOM_ALIGN >> 4}ull << 32) | (1ull << 62);
 }}
 """
 

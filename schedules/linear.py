@@ -452,9 +452,9 @@ def gemm_knobs(plan: TiledPlan | WgmmaPlan | None) -> dict[str, int]:
     """The knobs a Kernel reports for its GEMM above gemm_rows rows (none without one)."""
     if plan is None:
         return {}
-    if isinstance(plan, WgmmaPlan):
-        return {"gemm_wgmma": 1, **plan.knobs()}
-    return {"gemm_wgmma": 0, **{f"gemm_{key}": value for key, value in plan.knobs().items()}}
+    wgmma = isinstance(plan, WgmmaPlan)
+    prefix = "wgmma_" if wgmma else "gemm_"
+    return {"gemm_wgmma": int(wgmma), **{f"{prefix}{key}": value for key, value in plan.knobs().items()}}
 
 
 def wgmma_fits(spec: LinearSpec, target: Target) -> bool:
@@ -486,7 +486,6 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     103.6, lm_head_fp8 458.1 against 572.3, down_fp8 48.5 against 50.4 (the tiled GEMM: 137.2, 591.9,
     285.8); bf16 gained nothing from it at 128 rows (gate_up 59.5 against 59.3, lm_head 367.3 against 365.8).
     """
-    per_sm = {1: 2, 2: 2, 3: 1, 4: 1}  # blocks per SM at the slots below (sm_90's 228 KiB)
     atoms = spec.k // 64
     # per weight row and split: m = 128 f32 partial sums written and read back, against the row's weight
     partial_bytes, weight_bytes = 2 * 4 * 128, spec.k * ITEM_BYTES[spec.weight_dtype]
@@ -494,7 +493,9 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     shapes = ((1, 4, 2), (3, 5, 2), (4, 5, 2), (2, 4, 2)) if spec.fp8 else ((2, 3, 1), (3, 4, 1), (4, 4, 1), (1, 4, 1))
     for order, (groups, stages, mma_groups) in enumerate(shapes):
         plan = WgmmaPlan(groups, 128, stages, 1, 1, mma_groups, ITEM_BYTES[spec.weight_dtype])
-        blocks_per_sm = min(target.shared_memory_per_sm // plan.shared_bytes(), per_sm[groups])
+        blocks_per_sm = min(
+            target.shared_memory_per_sm // plan.shared_bytes(), target.max_threads_per_sm // plan.threads
+        )
         if blocks_per_sm < 1 or plan.threads > target.max_threads_per_block:
             continue
         slots = blocks_per_sm * target.sm_count

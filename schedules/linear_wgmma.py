@@ -124,7 +124,7 @@ class WgmmaPlan:
         return self.stages * self.stage_bytes() + self.converted_bytes()
 
     def knobs(self) -> dict[str, int]:
-        return {f"wgmma_{name}": getattr(self, name) for name in WGMMA_KNOBS}
+        return {name: getattr(self, name) for name in WGMMA_KNOBS}
 
 
 def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
@@ -150,7 +150,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     def w_column(c: Any, row: Any) -> Any:
         # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones
         # unswizzled (the conversion writes the swizzled bf16 tile)
-        return c % 4 * 16 if fp8 else T.bitwise_xor(c % 8, row % 8) * 8
+        return c % w_row_chunks * 16 if fp8 else T.bitwise_xor(c % 8, row % 8) * 8
 
     @T.macro
     def load_w_stage(w, ws, bn, ks, tid, slot, step):
@@ -192,16 +192,16 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
         # per call (fp8_convert.py); the tile is free once every warpgroup waited for its last wgmmas
         for i in T.unroll(w_rounds):
             c = T.meta_var(i * threads + tid)
-            atom = T.meta_var(c // (bn_rows * 4))
-            row = T.meta_var(c // 4 % bn_rows)
+            atom = T.meta_var(c // (bn_rows * w_row_chunks))
+            row = T.meta_var(c // w_row_chunks % bn_rows)
             if w_chunks % threads == 0 or c < w_chunks:
                 for q in T.unroll(4):
-                    col = T.meta_var(T.bitwise_xor(c % 4 * 2 + q // 2, row % 8) * 8 + q % 2 * 4)
+                    col = T.meta_var(T.bitwise_xor(c % w_row_chunks * 2 + q // 2, row % 8) * 8 + q % 2 * 4)
                     T.evaluate(T.call_extern(
                         "void", E4M3X4_TO_BF16,
                         T.address_of(wc[tile, atom, row, col]),
                         T.address_of(wc[tile, atom, row, col + 2]),
-                        T.address_of(ws[slot, atom, row, c % 4 * 16 + q * 4]),
+                        T.address_of(ws[slot, atom, row, c % w_row_chunks * 16 + q * 4]),
                     ))  # fmt: skip
 
     @T.macro
