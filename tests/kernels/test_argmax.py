@@ -205,3 +205,17 @@ def test_nvrtc_compiles_the_family(lowered):
     from kernel_harness import assert_nvrtc_builds
 
     assert_nvrtc_builds(lowered(SM90))
+
+
+@pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)
+def test_argmax_stage_one_loads_every_vector_first(lowered, target):
+    """A stage-1 thread issues all of its loads (16-byte vectors where the vocabulary is a multiple of 4)
+    before the first comparison, so its whole share of the chunk is in flight at once; an odd vocabulary
+    takes scalar loads. The warps' winners meet through xor shuffles and one shared-memory round."""
+    cuda = lowered(target)
+    qwen = kernel_body(cuda.source, "argmax_v151936_c4096")
+    loads = [i for i in range(len(qwen)) if qwen.startswith("*(float4*)(vals_ptr", i)]
+    assert len(loads) == 4 and loads[-1] < qwen.index("key_ptr[0] <")
+    assert qwen.count("__shfl_xor_sync") == 2 * 5 * 2  # key and rank, 5 rounds, within and across warps
+    odd = kernel_body(cuda.source, "argmax_v1001_c1024")
+    assert "float4" not in odd and "vals_ptr[7] = logits_ptr[" in odd
