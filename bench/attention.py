@@ -54,7 +54,11 @@ def _knobs(text: str) -> dict[str, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="sm_90")
-    parser.add_argument("--rule", default="block_attention_mma", choices=["block_attention_mma", "block_attention"])
+    parser.add_argument(
+        "--rule",
+        default="block_attention_mma",
+        choices=["block_attention_wgmma", "block_attention_mma", "block_attention"],
+    )
     parser.add_argument(
         "--variant", action="append", default=[], help="knob set 'name=value,...' of the Qwen3-8B kernel (repeatable)"
     )

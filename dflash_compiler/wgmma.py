@@ -31,6 +31,7 @@ WAIT_PRIOR = "dflash_wgmma_wait_prior"  # every committed group but the last has
 FENCE_ASYNC_SHARED = "dflash_fence_async_shared"  # generic-proxy shared writes (cp.async) → wgmma's reads
 REQUIRE_ALIGNED = "dflash_require_swizzle_aligned"  # traps unless a tile base is 1024-byte aligned
 _MMA = "dflash_wgmma_m64n{n}k16"
+_MMA_RS = "dflash_wgmma_rs_m64n{n}k16"
 _WAIT = "dflash_wgmma_wait_n{n}"
 SWIZZLE_BYTES = 128  # one row of a tile: 64 bf16
 ATOM_ALIGN = 1024  # a tile's base: 8 rows of 128 bytes
@@ -60,6 +61,15 @@ def mma_name(n: int) -> str:
     K-major 128-byte-swizzled tiles; d holds the thread's accumulators in mma.sync's m16n8 order per 8 columns."""
     _check_n(n)
     return _MMA.format(n=n)
+
+
+def mma_rs_name(n: int) -> str:
+    """The call `mma(d, a, b, lbo)`: d[0 .. n/2) += A (64 × 16, the thread's fragment in registers: 8 bf16 at
+    a, mma.sync's m16n8k16 A layout for its warp's 16 rows) · B (16 × n at shared pointer b, N-major: the
+    128-byte-swizzled rows of a tile run along N, one row per k; 64-column blocks of N `lbo` bytes apart and
+    8-row groups of k 1024 bytes apart)."""
+    _check_n(n)
+    return _MMA_RS.format(n=n)
 
 
 def wait_name(n: int) -> str:
@@ -94,9 +104,33 @@ __device__ __forceinline__ void {wait_name(n)}(float* d) {{
 """
 
 
-_CALL = re.compile(r"\bdflash_wgmma_(?:m64n|wait_n)(\d+)")
+def mma_rs_function(n: int) -> str:
+    """CUDA source of `mma_rs_name(n)`."""
+    regs = n // 2
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    dlist = ", ".join(f"%{i}" for i in range(regs))
+    alist = ", ".join(f"%{regs + i}" for i in range(4))
+    return f"""\
+__device__ __forceinline__ void {mma_rs_name(n)}(float* d, const void* a, const void* b, unsigned lbo) {{
+  const unsigned* f = (const unsigned*)a;
+  unsigned address = (unsigned)__cvta_generic_to_shared(b);
+  unsigned long long desc = (unsigned long long)((address & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
+      | ({ATOM_ALIGN >> 4}ull << 32) | (1ull << 62);
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{dlist}}}, {{{alist}}}, %{regs + 4}, p, 1, 1, 1;\\n}}\\n"
+      : {outs}
+      : "r"(f[0]), "r"(f[1]), "r"(f[2]), "r"(f[3]), "l"(desc), "r"(1));
+}}
+"""
+
+
+_CALL = re.compile(r"\bdflash_wgmma_(m64n|wait_n|rs_m64n)(\d+)")
+_FUNCTIONS = {"m64n": mma_function, "wait_n": mma_function, "rs_m64n": mma_rs_function}
 
 
 def needed_prelude(source: str) -> str:
-    """The `mma_function` definitions `source` calls, in N order ("" when it calls none)."""
-    return "".join(mma_function(n) for n in sorted({int(m) for m in _CALL.findall(source)}))
+    """The `mma_function` and `mma_rs_function` definitions `source` calls, in N order ("" when it calls
+    none)."""
+    wanted = {(_FUNCTIONS[kind], int(n)) for kind, n in _CALL.findall(source)}
+    return "".join(make(n) for make, n in sorted(wanted, key=lambda item: (item[1], item[0].__name__)))

@@ -6,6 +6,7 @@ Importing this package does not import TVM; a rule imports it when it builds a k
 from .argmax import ArgmaxRule
 from .attention import AttentionRule
 from .attention_mma import AttentionMmaRule
+from .attention_wgmma import AttentionWgmmaRule
 from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, Rule, ScheduleError, apply_rules
 from .dflash2 import DFlash2Rule
 from .dspark import DSparkRule
@@ -18,11 +19,13 @@ from .linear import LinearGemvRule, LinearMmaRule
 from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
 
 # Tried in order by `apply_rules`. Families do not overlap except the linears and the attention: the
-# tensor-core rule takes the shapes it can tile, and the SIMT kernel (correct for any shape) takes the rest.
+# tensor-core rules take the shapes they can tile (warpgroup MMAs first, where the target has them), and
+# the SIMT kernel (correct for any shape) takes the rest.
 RULES: tuple[Rule, ...] = (
     RMSNormRule(),
     LinearMmaRule(),
     LinearGemvRule(),
+    AttentionWgmmaRule(),
     AttentionMmaRule(),
     AttentionRule(),
     KVWriteRule(),
@@ -40,6 +43,7 @@ __all__ = [
     "ArgmaxRule",
     "AttentionMmaRule",
     "AttentionRule",
+    "AttentionWgmmaRule",
     "DFlash2Rule",
     "DSparkRule",
     "ElementwiseRule",

@@ -78,7 +78,7 @@ def _check_build(program, build, target):
     prefetching = {
         f"{kernel.name}_kernel"
         for kernel in build.kernels.values()
-        if kernel.rule == "block_attention_mma" and kernel.knobs.get("prefetch", 0) > 0
+        if kernel.rule in ("block_attention_mma", "block_attention_wgmma") and kernel.knobs.get("prefetch", 0) > 0
     }
     for name in launched:
         if name in prefetching:

@@ -1,0 +1,447 @@
+"""Block attention on warpgroup MMAs (sm_90a): the split kernel of `attention_mma.py` with both products as
+`wgmma.mma_async`, so no warp reads a K/V fragment from shared memory itself.
+
+The mma.sync kernel has each of a block's four warps read the whole staged group of K and V from shared
+memory into registers for its own 16 query rows: 128 KiB of fragment loads per 64 keys and block, which
+with the staging stores keeps the SM's shared-memory pipe busy and its warps waiting (on the H200 ~5,200
+cycles per 64-key group, one block per SM, at 4.5 cycles per issued instruction). A warpgroup MMA reads
+its operands once for the four warps, straight from shared memory.
+
+Thread block = one warpgroup for (split, kv head, sequence), as in the mma kernel's grid; its 64 rows are
+the query rows (block row r // group, head r % group of the kv head's group), rows past block · group
+reading the last row and never stored. Shared memory holds Q and two slots of one 64-key group's K and V,
+every tile as [head_dim / 64 atoms][64 rows][64 bf16] with the 128-byte swizzle (16-byte chunk c of row r
+at chunk c xor r mod 8; `dflash_compiler/wgmma.py`):
+
+* S = Q·Kᵀ: `m64n64k16` per 16 head-dim columns, A = the Q tile, B = the K tile, both K-major (a K row is
+  one key's head_dim elements). The accumulators are mma.sync's m16n8 layout per warp: n-tile j holds keys
+  8j + 2t + {0, 1} of rows g and g + 8 (lane = 4g + t).
+* online softmax in base 2 on them, as in the mma kernel: a row's scores sit in one lane quad, whose max is
+  combined with two xor shuffles; a weight is one FFMA and one ex2.
+* O += P·V: `m64n{head_dim}k16` per 16 keys with A = P from registers (the S accumulators of n-tiles 2i,
+  2i + 1 are exactly the m16n8k16 A fragment of keys 16i .. 16i + 15) and B = the V tile read N-major
+  (`imm-trans-b`): the same [atom][key][64] layout, whose rows now run along N (head dim), 64-column
+  blocks one tile apart (the leading byte offset) and 8-key groups 1024 bytes apart.
+
+Group grp + 1's K/V is loaded into registers (16-byte loads, cached rows through the page table, whose
+entries are read one group earlier still, then the block's own rows) while group grp is multiplied; the
+loads are stored into the other slot after grp's wgmmas have completed, made visible to the async proxy
+(`fence.proxy.async`), and a barrier ends the group. Keys past the split's end read its last key and score
+-inf, as do keys a mask hides. The splits, their spans and the partial results are the mma kernel's
+(`attention_prim_func`), so `attention.py`'s merge kernel serves both. Before the wait for inputs the
+first `prefetch` groups' cached K/V lines are prefetched into L2, from the host-written lengths and tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
+from dflash_compiler.fast_exp2 import EXP2
+from dflash_compiler.targets import Target
+from dflash_compiler.wgmma import (
+    COMMIT,
+    FENCE,
+    FENCE_ASYNC_SHARED,
+    REQUIRE_ALIGNED,
+    SWIZZLE_BYTES,
+    mma_name,
+    mma_rs_name,
+    wait_name,
+)
+
+from .attention import (
+    DTYPE,
+    AttentionRule,
+    BlockAttentionSpec,
+    _visible,
+    attention_prim_func,
+    default_splits,
+    split_span_macro,
+)
+from .attention_mma import _NEG, CHUNK, LINE_ELEMENTS
+from .base import FamilyRule, Kernel, OpInstance, ScheduleError
+
+WARP = 32
+WARPGROUP = 4 * WARP
+ROWS = 64  # query rows of a block: wgmma's M
+KEYS = 64  # keys per group: the N of S = Q·Kᵀ
+ATOM = SWIZZLE_BYTES // 2  # bf16 per swizzled row
+TILE = ROWS * ATOM  # bf16 elements of one atom of a 64-row tile (Q, K and V tiles all have 64 rows)
+WGMMA_K = 16
+DEFAULT_STAGES = 3
+
+
+def tile_offset(row: Any, vector: Any) -> Any:
+    """The bf16 element offset of 16-byte vector `vector` (head-dim elements 8·vector ..) of row `row` of a
+    tile (ints or TIR): atom vector // 8, then 128-byte rows, chunk vector mod 8 xor-swizzled by the row. Read
+    K-major it is wgmma's 128-byte-swizzled tile with 8-row groups 1024 bytes apart; read N-major (a row per
+    k, head dim along N) the same bytes are the N-major one with 64-column blocks TILE · 2 bytes apart."""
+    return vector // 8 * TILE + row * ATOM + ((vector % 8) ^ (row % 8)) * 8
+
+
+@dataclass(frozen=True)
+class WgmmaAttentionPlan:
+    """The resolved shape of one warpgroup attention kernel."""
+
+    splits: int  # thread blocks per (sequence, kv head)
+    slots: int = 0  # > 0: the grid a batch's splits aim at (blocks); a larger batch takes fewer splits
+    prefetch: int = 0  # groups whose cached K/V lines are prefetched into L2 before the wait for inputs
+    stages: int = DEFAULT_STAGES  # ring slots of one group's K and V; stages - 1 groups' copies fly ahead
+
+    def shared_bytes(self, spec: BlockAttentionSpec) -> int:
+        """The Q tile and the ring's slots of a group's K and V tiles."""
+        return (1 + 2 * self.stages) * (spec.head_dim // ATOM) * TILE * 2
+
+
+def wgmma_attention_fits(spec: BlockAttentionSpec, target: Target) -> bool:
+    """Targets with wgmma; one warpgroup's 64 rows hold the block's query rows of a kv head; head dims of
+    whole 64-wide swizzle atoms up to 128 (the output accumulators of 256 would not fit the registers)."""
+    return (
+        target.wgmma
+        and target.warp_size == WARP
+        and spec.block * spec.group <= ROWS
+        and spec.head_dim in (64, 128)
+        and WgmmaAttentionPlan(splits=1).shared_bytes(spec) <= target.max_shared_memory_per_block
+    )
+
+
+def fit_wgmma_attention(
+    spec: BlockAttentionSpec,
+    target: Target,
+    splits: int,
+    slots: int = 0,
+    prefetch: int = 0,
+    stages: int = DEFAULT_STAGES,
+) -> WgmmaAttentionPlan:
+    """The plan for `spec` (which `wgmma_attention_fits` `target`) with these knobs, checked."""
+    if not 1 <= splits <= 256:
+        raise ScheduleError(f"{AttentionWgmmaRule.name} knob splits={splits}: expected 1 to 256")
+    if slots < 0:
+        raise ScheduleError(f"{AttentionWgmmaRule.name} knob slots={slots}: expected 0 (off) or a block count")
+    if not 0 <= prefetch <= 16:
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob prefetch={prefetch}: expected 0 (off) to 16 groups prefetched before "
+            "the wait for inputs"
+        )
+    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages)
+    if stages < 2:
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob stages={stages}: expected 2 or more ring slots (one group multiplied "
+            "while the next ones' copies fly)"
+        )
+    if plan.shared_bytes(spec) > target.max_shared_memory_per_block:
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob stages={stages}: {plan.shared_bytes(spec)} bytes of shared memory, "
+            f"expected at most {target.max_shared_memory_per_block} on {target.name}; fewer stages"
+        )
+    return plan
+
+
+def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> Any:
+    """The CUDA-scheduled PrimFunc (same parameters and partial results as the mma kernel's) of `plan`."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    blk, hkv, dim, page, group = spec.block, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
+    rows, splits, stages = spec.block * spec.group, plan.splits, plan.stages
+    ahead = stages - 1  # groups whose copies are in flight beyond the one multiplied
+    atoms = dim // ATOM
+    vecs = dim // 8  # 16-byte vectors per row
+    fetch = ROWS * vecs // WARPGROUP  # vectors of a tile (Q, or one group's K and V each) per thread
+    nts = KEYS // 8  # 8-key n-tiles of S
+    dts = dim // 8  # 8-column n-tiles of O
+    q_elems = atoms * TILE
+    slot_elems = 2 * atoms * TILE  # one group's K, then its V
+    lbo = TILE * 2  # bytes between the 64-column blocks of a V tile read N-major
+    q_scale = math.log2(math.e) / math.sqrt(dim)
+    floor = _NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
+    masked = spec.causal or spec.window is not None
+    split_span = split_span_macro(spec, splits, CHUNK, plan.slots)
+    full = T.uint32(0xFFFFFFFF)
+    mma_s, wait_s = mma_name(KEYS), wait_name(KEYS)
+    mma_o, wait_o = mma_rs_name(dim), wait_name(dim)
+
+    def exp2(x: Any) -> Any:
+        return T.call_extern("float32", EXP2, x)
+
+    def vector_row(i: int, tid: Any) -> Any:
+        return (i * WARPGROUP + tid) // vecs
+
+    def vector_index(i: int, tid: Any) -> Any:
+        return (i * WARPGROUP + tid) % vecs
+
+    def group_key(first: Any, i: int, tid: Any, end: Any) -> Any:
+        # the key of the thread's i-th vector of a group starting at `first`; past the split's end, its last
+        return T.min(first + vector_row(i, tid), end - 1)
+
+    @T.macro
+    def locate(span, s, n, p, blk_positions, nb):
+        # split p's keys [span[0], span[2]) of sequence s (n cached rows), span[3] groups of them
+        split_span(span, s, n, blk_positions, nb)
+        span[0] = span[0] + p * span[1]
+        span[2] = T.min(span[0] + span[1], n + blk)
+        span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], KEYS), 0)
+
+    @T.macro
+    def read_table(pt, table, s, n, first, end, tid):
+        # the page slot of each of the thread's keys of the group at `first` (clamped into the cache)
+        for i in T.unroll(fetch):
+            pt[i] = table[s, T.max(T.min(group_key(first, i, tid, end), n - 1), 0) // page]
+
+    @T.macro
+    def prefetch_group(pt, kv, g, n, first, end, tid):
+        # a vector that starts a 128-byte line of a cached K or V row prefetches that line into L2
+        for i in T.unroll(fetch):
+            key = T.meta_var(group_key(first, i, tid, end))
+            if key < n and vector_index(i, tid) * 8 % LINE_ELEMENTS == 0:
+                slot: T.let[T.int32] = T.max(T.min(pt[i], kv.shape[1] - 1), 0)
+                for half in T.unroll(2):
+                    T.evaluate(T.call_extern(
+                        "void", PREFETCH_L2, T.address_of(kv[half, slot, key % page, g, vector_index(i, tid) * 8])
+                    ))  # fmt: skip
+
+    @T.macro
+    def copy16(dst, src):
+        T.evaluate(T.ptx["cp.async.cg.shared.global"](T.address_of(dst), T.address_of(src), 16))
+
+    @T.macro
+    def copy_group(sm, base, pt, kv, k, v, s, g, n, first, end, tid):
+        # the thread's 16-byte vectors of the group's K and V, copied straight into slot `base` (cp.async):
+        # cached rows through the page table, the block's own rows from k and v
+        for i in T.unroll(fetch):
+            key = T.meta_var(group_key(first, i, tid, end))
+            d0 = T.meta_var(vector_index(i, tid) * 8)
+            dst = T.meta_var(base + tile_offset(vector_row(i, tid), vector_index(i, tid)))
+            if key < n:
+                copy16(sm[dst], kv[0, pt[i], key % page, g, d0])
+                copy16(sm[dst + atoms * TILE], kv[1, pt[i], key % page, g, d0])
+            else:
+                copy16(sm[dst], k[s * blk + key - n, g * dim + d0])
+                copy16(sm[dst + atoms * TILE], v[s * blk + key - n, g * dim + d0])
+
+    @T.macro
+    def softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n, k0, end, gq, tq):
+        # raw scores; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2. Hidden
+        # keys score _NEG; without a mask only a group reaching past `end` compares keys
+        if masked:
+            for nt in T.unroll(nts):
+                for e in T.unroll(4):
+                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
+                    sacc[nt * 4 + e] = T.if_then_else(
+                        tirx.all(
+                            key < end,
+                            _visible(
+                                spec,
+                                q_at[e // 2],
+                                T.if_then_else(
+                                    key < n, key, blk_positions[s * blk + T.max(T.min(key, end - 1) - n, 0)]
+                                ),
+                            ),
+                        ),
+                        sacc[nt * 4 + e],
+                        T.float32(_NEG),
+                    )
+        elif k0 + KEYS > end:
+            for nt in T.unroll(nts):
+                for e in T.unroll(4):
+                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
+                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(_NEG))
+        # online softmax in base 2, as in attention_mma.py: m_run in scaled units, a weight is
+        # 2^(raw · q_scale - max); a row that has seen only hidden keys takes `floor` as its max (weights 0)
+        for h in T.unroll(2):
+            stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
+            for nt in T.unroll(1, nts):
+                stat[h] = T.max(stat[h], T.max(sacc[nt * 4 + h * 2], sacc[nt * 4 + h * 2 + 1]))
+            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
+            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
+            stat[h] = T.max(m_run[h], stat[h] * q_scale)
+            stat[2 + h] = exp2(m_run[h] - stat[h])
+            m_run[h] = stat[h]
+            stat[h] = T.max(stat[h], T.float32(floor))
+        for nt in T.unroll(nts):
+            for e in T.unroll(4):
+                sacc[nt * 4 + e] = exp2(sacc[nt * 4 + e] * q_scale - stat[e // 2])
+                pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
+        for h in T.unroll(2):
+            l_run[h] = l_run[h] * stat[2 + h]
+            for nt in T.unroll(nts):
+                l_run[h] = l_run[h] + (sacc[nt * 4 + h * 2] + sacc[nt * 4 + h * 2 + 1])
+        for j in T.unroll(dts):
+            for e in T.unroll(4):
+                oacc[j * 4 + e] = oacc[j * 4 + e] * stat[2 + e // 2]
+
+    @T.macro
+    def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
+        for s in T.thread_binding(nb, thread="blockIdx.z"):
+            for g in T.thread_binding(hkv, thread="blockIdx.y"):
+                for p in T.thread_binding(splits, thread="blockIdx.x"):
+                    for ty in T.thread_binding(4, thread="threadIdx.y"):
+                        for lane in T.thread_binding(WARP, thread="threadIdx.x"):
+                            with T.sblock("split"):
+                                T.reads()
+                                T.writes()
+                                # the Q tile, then per slot the group's K tile and V tile
+                                sm = T.sblock_alloc_buffer((q_elems + stages * slot_elems,), DTYPE,
+                                                           scope="shared.dyn")  # fmt: skip
+                                span = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                                pt = T.sblock_alloc_buffer((fetch,), "int32", scope="local")
+                                sacc = T.sblock_alloc_buffer((4 * nts,), "float32", scope="local")
+                                pa = T.sblock_alloc_buffer((4 * nts,), DTYPE, scope="local")
+                                oacc = T.sblock_alloc_buffer((4 * dts,), "float32", scope="local")
+                                m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                stat = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                                q_at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+
+                                tid = T.meta_var(ty * WARP + lane)
+                                gq = T.meta_var(lane // 4)
+                                tq = T.meta_var(lane % 4)
+                                start = T.meta_var(span[0])
+                                end = T.meta_var(span[2])
+                                groups = T.meta_var(span[3])
+                                T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(sm[0])))
+                                if plan.prefetch > 0:
+                                    # before the wait, the step's lengths and block tables (the host writes
+                                    # them, no kernel of the step does) locate the first groups' cached K/V;
+                                    # only prefetches use them, everything is read again after the wait
+                                    n_early: T.let[T.int32] = cache_lens[s]
+                                    locate(span, s, n_early, p, blk_positions, nb)
+                                    for j in T.unroll(plan.prefetch):
+                                        if j < groups:
+                                            read_table(pt, block_table, s, n_early, start + j * KEYS, end, tid)
+                                            prefetch_group(pt, kv, g, n_early, start + j * KEYS, end, tid)
+                                # waits first and never triggers (dependent_launch.py), as the mma kernel
+                                T.evaluate(T.call_extern("void", WAIT))
+                                n: T.let[T.int32] = cache_lens[s]
+                                locate(span, s, n, p, blk_positions, nb)
+
+                                # Q: rows past the block's read its last row
+                                for i in T.unroll(fetch):
+                                    r = T.meta_var(T.min(vector_row(i, tid), rows - 1))
+                                    for x in T.vectorized(8):
+                                        sm[tile_offset(vector_row(i, tid), vector_index(i, tid)) + x] = q[
+                                            s * blk + r // group,
+                                            (g * group + r % group) * dim + vector_index(i, tid) * 8 + x,
+                                        ]
+                                for h in T.unroll(2):
+                                    q_at[h] = blk_positions[s * blk + T.min(ty * 16 + h * 8 + gq, rows - 1) // group]
+                                    m_run[h] = T.float32(_NEG)
+                                    l_run[h] = T.float32(0)
+                                for i in T.unroll(4 * dts):
+                                    oacc[i] = T.float32(0)
+                                # the first `ahead` groups' copies, one commit group each (empty or not: the
+                                # waits count them), then the table entries of the group after
+                                for j in T.unroll(ahead):
+                                    if j < groups:
+                                        read_table(pt, block_table, s, n, start + j * KEYS, end, tid)
+                                        copy_group(sm, q_elems + j * slot_elems, pt, kv, k, v, s, g, n,
+                                                   start + j * KEYS, end, tid)  # fmt: skip
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                                if ahead < groups:
+                                    read_table(pt, block_table, s, n, start + ahead * KEYS, end, tid)
+                                for grp in T.serial(groups):
+                                    base = T.meta_var(q_elems + grp % stages * slot_elems)
+                                    # group grp's copies (this thread's) landed: the younger ones may fly on
+                                    T.evaluate(T.ptx["cp.async.wait_group"](ahead - 1))
+                                    T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                                    # everyone's landed, and every wgmma that read the slot refilled next
+                                    # (group grp - 1's) has completed
+                                    T.tvm_storage_sync("shared")
+                                    nxt = T.meta_var(grp + ahead)
+                                    if nxt < groups:
+                                        copy_group(sm, q_elems + nxt % stages * slot_elems, pt, kv, k, v, s, g, n,
+                                                   start + nxt * KEYS, end, tid)  # fmt: skip
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                                    if nxt + 1 < groups:
+                                        read_table(pt, block_table, s, n, start + (nxt + 1) * KEYS, end, tid)
+                                    for i in T.unroll(4 * nts):
+                                        sacc[i] = T.float32(0)
+                                    T.evaluate(T.call_extern("void", FENCE))
+                                    for kk in T.unroll(dim // WGMMA_K):
+                                        T.evaluate(T.call_extern(
+                                            "void", mma_s, T.address_of(sacc[0]),
+                                            T.address_of(sm[kk // 4 * TILE + kk % 4 * WGMMA_K]),
+                                            T.address_of(sm[base + kk // 4 * TILE + kk % 4 * WGMMA_K]),
+                                        ))  # fmt: skip
+                                    T.evaluate(T.call_extern("void", COMMIT))
+                                    T.evaluate(T.call_extern("void", wait_s, T.address_of(sacc[0])))
+                                    softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n,
+                                            start + grp * KEYS, end, gq, tq)  # fmt: skip
+                                    T.evaluate(T.call_extern("void", FENCE))
+                                    for kc in T.unroll(KEYS // WGMMA_K):
+                                        T.evaluate(T.call_extern(
+                                            "void", mma_o, T.address_of(oacc[0]), T.address_of(pa[kc * 8]),
+                                            T.address_of(sm[base + atoms * TILE + kc * WGMMA_K * ATOM]), lbo,
+                                        ))  # fmt: skip
+                                    T.evaluate(T.call_extern("void", COMMIT))
+                                    T.evaluate(T.call_extern("void", wait_o, T.address_of(oacc[0])))
+
+                                # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
+                                for h in T.unroll(2):
+                                    l_run[h] = l_run[h] + T.call_extern(
+                                        "float32", "__shfl_xor_sync", full, l_run[h], 1, WARP
+                                    )
+                                    l_run[h] = l_run[h] + T.call_extern(
+                                        "float32", "__shfl_xor_sync", full, l_run[h], 2, WARP
+                                    )
+                                for h in T.unroll(2):
+                                    if ty * 16 + h * 8 + gq < rows:
+                                        if groups > 0:
+                                            for j in T.unroll(dts):
+                                                for e in T.vectorized(2):
+                                                    part_o[s, g, p, ty * 16 + h * 8 + gq, j * 8 + tq * 2 + e] = oacc[
+                                                        j * 4 + h * 2 + e
+                                                    ]
+                                        if tq == 0:
+                                            part_ml[s, g, p, ty * 16 + h * 8 + gq, 0] = m_run[h]
+                                            part_ml[s, g, p, ty * 16 + h * 8 + gq, 1] = l_run[h]
+
+    return attention_prim_func(spec, splits, CHUNK, True, split, plan.slots).with_attr("tirx.is_scheduled", True)
+
+
+class AttentionWgmmaRule(FamilyRule):
+    """`block_attention` on warpgroup MMAs where `wgmma_attention_fits` (else the mma.sync rule takes it).
+
+    Knobs (as the mma rule's): `splits`, thread blocks one (sequence, kv head) is split across at most;
+    `slots`, the grid a batch's splits aim at (0: off), so a larger batch takes fewer splits; `prefetch`,
+    the groups whose cached K/V lines go to L2 before the wait for inputs; `stages`, the slots of the
+    cp.async ring (stages - 1 groups' copies in flight beyond the one multiplied).
+
+    Defaults from the H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, 4096 cached rows, µs the
+    split kernel adds over five layers at nb = 8; ms of the bf16 step at nb = 1 / 4 / 8 / 16):
+    * the mma.sync kernel: 369.4 µs; 1.024 / 1.417 / 1.654 / 2.719 ms;
+    * this kernel staging K/V through registers, two slots: 307.9 µs; 1.002 / 1.344 / 1.567 / 2.580 ms;
+    * a three-slot cp.async ring (128 registers instead of 201): 281.6 µs; 0.986 / 1.313 / 1.533 / 2.533;
+    * four slots (one block per SM): 354.3 µs; 0.985 / 1.338 / 1.585 / 2.602;
+    * three slots, `slots` 2 blocks per SM (one wave of 4 splits at nb = 8, 8 at nb = 4): 277.7 µs, merge
+      42.0 against 46.6; 0.982 / 1.262 / 1.501 / 2.501, the default.
+    One sequence keeps its 16 splits (8 × 16 blocks): 9.1 µs per layer against 14.7 for the mma kernel.
+    `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
+    fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
+    """
+
+    name = "block_attention_wgmma"
+    knob_names = ("splits", "slots", "prefetch", "stages")
+
+    def default_knobs(self, target: Target) -> dict[str, int]:
+        return {"splits": default_splits(target), "slots": 2 * target.sm_count, "prefetch": 2, "stages": DEFAULT_STAGES}
+
+    def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
+        return AttentionRule().spec_of(subject)
+
+    def views(self, op: OpInstance) -> dict[str, tuple[int, ...]]:
+        return AttentionRule().views(op)
+
+    def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
+        spec = self.spec_of(subject)
+        if spec is None or not wgmma_attention_fits(spec, target):
+            return None
+        return super().apply(spec, target, knobs)
+
+    def schedule(self, spec: BlockAttentionSpec, target: Target, knobs: Mapping[str, int]) -> Any:
+        plan = fit_wgmma_attention(spec, target, knobs["splits"], knobs["slots"], knobs["prefetch"], knobs["stages"])
+        return attention_wgmma_func(spec, plan)

@@ -1,0 +1,174 @@
+"""Warpgroup-MMA block attention (sm_90a): which specs the rule takes (the rest go to the mma.sync rule),
+that its staged tiles are the layouts its wgmma descriptors describe, the kernel table (the mma kernel's
+workspaces and merge), the dependent-launch protocol and an NVRTC build whose wgmmas ptxas keeps async.
+
+The kernel cannot run on the CPU; its numbers are checked on the GPU against numpy through a check bundle
+(`python bench/attention.py -o DIR --rule block_attention_wgmma`, then `python bench/kernels.py run DIR`),
+which covers every mask, head dims 64 and 128, ragged rows, long and short sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dflash_compiler.runtime.expr import evaluate
+from dflash_compiler.schedules import RULES, apply_rules
+from dflash_compiler.schedules.attention import BlockAttentionSpec, merge_blocking
+from dflash_compiler.schedules.attention_wgmma import (
+    ATOM,
+    TILE,
+    AttentionWgmmaRule,
+    WgmmaAttentionPlan,
+    fit_wgmma_attention,
+    tile_offset,
+    wgmma_attention_fits,
+)
+from dflash_compiler.schedules.base import ScheduleError
+from dflash_compiler.targets import SM90, SM120, SM121
+
+tvm = pytest.importorskip("tvm")
+
+from kernel_harness import assert_split_waits_and_merge_triggers  # noqa: E402
+
+from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
+
+QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
+DFLASH2_SWA = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False, window=2048)
+DSPARK = BlockAttentionSpec(block=7, heads=32, kv_heads=8, head_dim=128, causal=False)  # 28 of 64 rows
+SMALL = BlockAttentionSpec(block=8, heads=8, kv_heads=8, head_dim=64, causal=True, window=24)  # 8 rows, no GQA
+WIDE_GROUP = BlockAttentionSpec(block=16, heads=40, kv_heads=8, head_dim=128, causal=False)  # 80 rows
+
+
+@pytest.mark.parametrize(
+    ("spec", "target", "rule"),
+    [
+        (QWEN3_8B, SM90, "block_attention_wgmma"),
+        (DSPARK, SM90, "block_attention_wgmma"),
+        (SMALL, SM90, "block_attention_wgmma"),
+        (WIDE_GROUP, SM90, "block_attention_mma"),  # more query rows than one warpgroup's 64
+        (BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=96, causal=False), SM90, "block_attention_mma"),
+        (QWEN3_8B, SM120, "block_attention_mma"),  # no wgmma on sm_12x
+        (QWEN3_8B, SM121, "block_attention_mma"),
+    ],
+    ids=lambda x: getattr(x, "name", x),
+)
+def test_rule_takes_what_one_warpgroup_holds(spec, target, rule):
+    """Targets with wgmma, at most 64 query rows per kv head, head dims of whole 64-wide atoms up to 128."""
+    assert apply_rules(RULES, spec, target).rule == rule
+    assert wgmma_attention_fits(spec, target) == (rule == "block_attention_wgmma")
+
+
+def _canonical(n: int, k: int, lbo: int, sbo: int) -> int:
+    """Byte address of element (n, k) of an N-major 128-byte-swizzled wgmma operand (bf16), as the PTX ISA's
+    canonical layout ((8, 8, m), (8, k)) : ((1, 8, LBO), (64, SBO)) in elements, then Swizzle<3, 4, 3> on the
+    byte address (bits 7-9 xor-ed into bits 4-6), from a 1024-byte aligned base."""
+    address = (n % 64) * 2 + (n // 64) * lbo + (k % 8) * 128 + (k // 8) * sbo
+    return address ^ ((address >> 3) & 0x70)
+
+
+def _canonical_k_major(row: int, k: int, sbo: int) -> int:
+    """Byte address of element (row, k) of a K-major 128-byte-swizzled operand whose k lies in one atom."""
+    address = k * 2 + (row % 8) * 128 + (row // 8) * sbo
+    return address ^ ((address >> 3) & 0x70)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_tiles_are_the_layouts_the_descriptors_describe(dim):
+    """One staging layout serves both products: read K-major (Q and K, rows = query rows or keys, k = head
+    dim within an atom, 8-row groups 1024 bytes apart) and read N-major (V: a row per key = k, head dim = N,
+    64-column blocks one tile apart, the leading byte offset the kernel passes, 8-key groups 1024 apart)."""
+    for row in range(64):
+        for d in range(dim):
+            staged = (tile_offset(row, d // 8) + d % 8) * 2
+            assert staged == _canonical(d, row, lbo=TILE * 2, sbo=1024)
+            atom, within = divmod(d, ATOM)
+            assert staged == atom * TILE * 2 + _canonical_k_major(row, within, sbo=1024)
+    # every 16-byte chunk of a tile is written once
+    chunks = {tile_offset(row, v) for row in range(64) for v in range(dim // 8)}
+    assert len(chunks) == 64 * dim // 8 and max(chunks) < dim // ATOM * TILE
+
+
+def test_plans_and_knobs():
+    knobs = AttentionWgmmaRule().default_knobs(SM90)
+    assert knobs == {"splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3}
+    plan = fit_wgmma_attention(QWEN3_8B, SM90, 16)
+    # the Q tile and three slots of a group's K and V: two blocks share an H200 SM
+    assert plan.shared_bytes(QWEN3_8B) == 7 * 16384 and 2 * (plan.shared_bytes(QWEN3_8B) + 1024) <= 233472
+    assert WgmmaAttentionPlan(1, stages=2).shared_bytes(SMALL) == 5 * 8192
+    for bad, match in (
+        ({"stages": 1}, "stages=1"),
+        ({"stages": 7}, "fewer stages"),
+        ({"splits": 0}, "splits=0"),
+        ({"slots": -1}, "slots=-1"),
+        ({"prefetch": 17}, "prefetch=17"),
+        ({"key_warps": 2}, "key_warps"),  # the mma rule's knob: not this rule's
+    ):
+        with pytest.raises(ScheduleError, match=match):
+            AttentionWgmmaRule().apply(QWEN3_8B, SM90, bad)
+    assert AttentionWgmmaRule().apply(QWEN3_8B, SM121) is None
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    kernels = [AttentionWgmmaRule().apply(s, SM90) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK, SMALL)]
+    for knobs in ({"stages": 2, "prefetch": 0}, {"stages": 4}):
+        other = AttentionWgmmaRule().apply(QWEN3_8B, SM90, knobs)
+        name = other.name + "".join(f"_{k}{v}" for k, v in knobs.items())
+        kernels.append(replace(other, name=name, func=other.func.with_attr("global_symbol", name)))
+    return kernels, lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), SM90)
+
+
+def test_kernel_table(lowered):
+    """Split and merge kernels with the mma kernel's workspaces; one warpgroup per (split, kv head,
+    sequence), the Q tile and the ring in dynamic shared memory; the split waits first (after its L2
+    prefetches) and never lets its dependents in."""
+    kernels, cuda = lowered
+    for kernel in kernels:
+        spec, knobs = kernel.spec, kernel.knobs
+        func = cuda.functions[kernel.name]
+        assert [(w.name, w.dtype) for w in func.workspaces] == [("part_o", "float32"), ("part_ml", "float32")]
+        env = {"nb": 3, "m": 3 * spec.block, "maxp": 7, "pages": 21}
+        rows, splits = spec.block * spec.group, knobs["splits"]
+        sizes = [int(np.prod([evaluate(d, env) for d in w.shape])) for w in func.workspaces]
+        assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
+        split, merge = func.kernels
+        grid, block, smem = split.launch_dims(env)
+        plan = fit_wgmma_attention(spec, SM90, splits, stages=knobs["stages"])
+        assert grid == (splits, spec.kv_heads, 3) and block == (32, 4, 1) and smem == plan.shared_bytes(spec)
+        grid, block, _ = merge.launch_dims(env)
+        per_block, threads = merge_blocking(spec)
+        assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
+        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, knobs["prefetch"] > 0)
+
+
+def test_both_products_are_warpgroup_mmas(lowered):
+    """S = Q·Kᵀ is m64n64k16 with both operands in shared memory, O += P·V is m64n{head_dim}k16 with P from
+    registers and V read N-major (imm-trans-b 1) with its column blocks one tile apart; no warp multiplies
+    with mma.sync or reads a K/V fragment itself; the K/V copies are cp.async, waited for by group."""
+    from dflash_compiler.dependent_launch import kernel_bodies
+    from dflash_compiler.wgmma import mma_name, mma_rs_name
+
+    kernels, cuda = lowered
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    for kernel in kernels:
+        split = bodies[cuda.functions[kernel.name].kernels[0].name]
+        dim = kernel.spec.head_dim
+        assert split.count(f"{mma_name(64)}(") == dim // 16, kernel.name
+        assert split.count(f"{mma_rs_name(dim)}(") == 4 and f", {TILE * 2});" in split, kernel.name
+        assert "mma.sync" not in split and "cp_async" in split
+        assert f"cp_async_wait_group_async_wait_group_{kernel.knobs['stages'] - 2}()" in split, kernel.name
+    assert "m64n128k16.f32.bf16.bf16 {%0" in cuda.source and "}, %68, p, 1, 1, 1;" in cuda.source
+
+
+def test_nvrtc_keeps_the_warpgroup_mmas_async(lowered):
+    """sm_90a code for every kernel; compile_cubin refuses a cubin whose wgmmas ptxas serialised."""
+    from dflash_compiler.cubin import cubin_arch, kernel_names
+    from dflash_compiler.nvrtc import compile_cubin
+
+    _, cuda = lowered
+    cubin = compile_cubin(cuda.source, SM90.arch)
+    assert cubin_arch(cubin) == SM90.arch
+    assert set(kernel_names(cubin)) == set(cuda.kernel_names())
