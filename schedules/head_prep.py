@@ -189,7 +189,7 @@ def head_prep_func(spec: HeadPrepSpec, threads: int) -> Any:
 
     def window_macro(first_head: int, last_head: int, start: int, norm: bool, rope: bool) -> Any:
         @T.macro
-        def window(x, positions, inv_freq, w, y, row, group, tid, xl, a, ss):
+        def window(x, positions, inv_freq, w, y, row, group, tid, xl, a, ss, sn, cs):
             head = T.meta_var(group * heads_per_block + tid // lanes)
             if first_head <= head and head < last_head:
                 column = T.meta_var((head - first_head) * d + tid % lanes * VECTOR)
@@ -214,10 +214,18 @@ def head_prep_func(spec: HeadPrepSpec, threads: int) -> Any:
                         a[e] = a[e] * ss[0] * T.Cast("float32", w[tid % lanes * VECTOR + e])
                         a[VECTOR + e] = a[VECTOR + e] * ss[0] * T.Cast("float32", w[half + tid % lanes * VECTOR + e])
                 if rope:
+                    # the angles' sines and cosines in a loop that is not unrolled, one sincosf each: unrolled,
+                    # every window held 16 inlined sinf/cosf (their slow paths included) and the kernel's
+                    # code outgrew the instruction cache
+                    for e in T.serial(VECTOR, unroll=False):
+                        T.evaluate(T.call_extern(
+                            "void", "sincosf",
+                            T.Cast("float32", positions[row]) * inv_freq[tid % lanes * VECTOR + e],
+                            T.address_of(sn[e]), T.address_of(cs[e]),
+                        ))  # fmt: skip
                     for e in T.unroll(VECTOR):
-                        ss[1] = T.Cast("float32", positions[row]) * inv_freq[tid % lanes * VECTOR + e]
-                        ss[2] = T.cos(ss[1]) * T.float32(factor)
-                        ss[3] = T.sin(ss[1]) * T.float32(factor)
+                        ss[2] = cs[e] * T.float32(factor)
+                        ss[3] = sn[e] * T.float32(factor)
                         ss[1] = a[e]
                         a[e] = a[e] * ss[2] - a[VECTOR + e] * ss[3]
                         a[VECTOR + e] = a[VECTOR + e] * ss[2] + ss[1] * ss[3]
@@ -236,7 +244,7 @@ def head_prep_func(spec: HeadPrepSpec, threads: int) -> Any:
         macros[f"window{j}"] = window_macro(head, head + (stop - start) // d, start, norm, rope)
         weight = f"w{norm_index}" if norm else "x"  # a window that does not norm never reads its weight
         norm_index += int(norm)
-        calls.append(f"window{j}(x, positions, inv_freq, {weight}, y{j}, row, group, tid, xl, a, ss)")
+        calls.append(f"window{j}(x, positions, inv_freq, {weight}, y{j}, row, group, tid, xl, a, ss, sn, cs)")
         head += (stop - start) // d
     params = [p for p in spec.params()]
     lines = [
@@ -258,6 +266,8 @@ def head_prep_func(spec: HeadPrepSpec, threads: int) -> Any:
         f"                    xl = T.sblock_alloc_buffer(({2 * VECTOR},), {DTYPE!r}, scope='local')",
         f"                    a = T.sblock_alloc_buffer(({2 * VECTOR},), 'float32', scope='local')",
         "                    ss = T.sblock_alloc_buffer((4,), 'float32', scope='local')",
+        f"                    sn = T.sblock_alloc_buffer(({VECTOR},), 'float32', scope='local')",
+        f"                    cs = T.sblock_alloc_buffer(({VECTOR},), 'float32', scope='local')",
         *(f"                    {call}" for call in calls),
     ]
     return tvm.script.from_source("\n".join(lines), extra_vars={"T": T, **macros})
