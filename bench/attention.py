@@ -1,13 +1,16 @@
 """Block-attention variants for the GPU check: every mask, head dims 64 and 128, ragged warps, long and
-short sequences, built by one rule (the tensor-core one, or the SIMT one to compare against).
+short sequences, built by one rule (the mma.sync one by default, the warpgroup one of sm_90, or the SIMT one
+to compare against).
 
     # build box
-    python bench/attention.py -o build/attn_mma [--rule block_attention]
+    python bench/attention.py -o build/attn_mma [--rule block_attention_wgmma | block_attention]
     # GPU box: check against numpy and time (same runner as the drafter's kernels)
     PYTHONPATH=. python bench/kernels.py run build/attn_mma
 
 Cases: 1 and 8 sequences with up to 4096 + 16 cached rows each (the first one full, the others random
-lengths), and 3 sequences of at most 80 rows (empty splits, chunks cut by the split's end).
+lengths), and 3 sequences of at most 80 rows (empty splits, chunks cut by the split's end). The timings
+flatter every kernel: the random lengths read about half of the cache, and one sequence's cache fits L2;
+the drafter step (`bench/propose.py --timeline`) is where schedules are compared.
 
 `--variant` instead builds the Qwen3-8B drafter's attention once per knob set, each kernel named after its
 knobs, at 1, 3, 8 and 16 sequences and at three lengths of one sequence, to compare schedules in one run:

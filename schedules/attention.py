@@ -51,6 +51,7 @@ _NEG = -3.0e38  # "no score yet": finite, so exp2(_NEG - max) is 0 and max(_NEG,
 _KEYS_PER_THREAD = 2  # score tile width: each thread scores 2 keys (interleaved, conflict-free K reads)
 _VECTORS_PER_THREAD = 2  # P·V tile: each thread owns 2 float4 column groups of its rows
 MERGE_ELEMENTS = 4  # outputs per thread of the merge kernel (merge_macro says why four)
+MERGE_WIDTHS = (4, 8)  # the merge's narrower passes, for batches that use that few splits (merge_macro)
 
 
 @dataclass(frozen=True)
@@ -367,7 +368,9 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     batch that uses a quarter of the splits would otherwise read four times the partial sums from DRAM), and
     only then applies the guard "this split saw keys" to the values, as selects. Loads behind a per-split
     branch went out one split at a time, a round trip each: 11.3 µs for one sequence of 4096 keys on an
-    H200 (Nsight Compute), 8.1 µs now."""
+    H200 (Nsight Compute), 8.1 µs now. A batch whose `slots` leave it at most 4 or 8 used splits takes one
+    pass of that width instead (a runtime branch to a copy of the pass), so it does not load and weigh the
+    clamped duplicates of a 16-wide pass."""
     from tvm.script import tirx as T
 
     blk, heads, dim, group = spec.block, spec.heads, spec.head_dim, spec.group
@@ -383,6 +386,48 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
 
     def lanes(n: int) -> Any:
         return T.thread_binding(n, thread="threadIdx.x") if device else T.serial(n)
+
+    def combine_macro(width: int, rounds: int) -> Any:
+        """Splits [0, width · rounds) in `rounds` passes of `width`: the running max first, then the weighted
+        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing."""
+
+        @T.macro
+        def combine(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
+            mstat[t, 0] = T.float32(_NEG)
+            for sp0 in T.serial(rounds):
+                for u in T.unroll(width):
+                    ml[t, u, 0] = part_ml[s, kvh, T.min(sp0 * width + u, used[0] - 1), r, 0]
+                for u in T.unroll(width):
+                    mstat[t, 0] = T.max(
+                        mstat[t, 0],
+                        T.Select(sp0 * width + u < used[0], ml[t, u, 0], T.float32(_NEG)),
+                    )
+            mstat[t, 1] = T.float32(0)
+            for x in T.unroll(per):
+                macc[t, x] = T.float32(0)
+            for sp0 in T.serial(rounds):
+                for u in T.unroll(width):
+                    sp = T.meta_var(T.min(sp0 * width + u, used[0] - 1))
+                    for j in T.unroll(2):
+                        ml[t, u, j] = part_ml[s, kvh, sp, r, j]
+                    # scalar loads: a float4 access would retype the workspace
+                    for x in T.unroll(per):
+                        po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
+                for u in T.unroll(width):
+                    # an unused split's slot holds anything, NaN included: select, never scale
+                    ok = T.meta_var(sp0 * width + u < used[0])
+                    mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(_NEG)) - mstat[t, 0])
+                    mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
+                    for x in T.unroll(per):
+                        macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
+
+        return combine
+
+    # a batch that uses few of the splits (`slots`) takes the narrowest pass that holds them
+    narrow = [w for w in MERGE_WIDTHS if w < unroll]
+    every = combine_macro(unroll, passes)
+    first = combine_macro(narrow[0], 1) if narrow else every
+    second = combine_macro(narrow[1], 1) if len(narrow) > 1 else every
 
     @T.macro
     def merge(part_o: Any, part_ml: Any, cache_lens: Any, blk_positions: Any, out: Any, nb: Any) -> None:
@@ -406,33 +451,20 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
                             kvh = T.meta_var(hd // group)
                             r = T.meta_var(i * group + hd % group)
                             d0 = T.meta_var(t % vecs * per)
-                            mstat[t, 0] = T.float32(_NEG)
-                            for sp0 in T.serial(passes):
-                                for u in T.unroll(unroll):
-                                    ml[t, u, 0] = part_ml[s, kvh, T.min(sp0 * unroll + u, used[0] - 1), r, 0]
-                                for u in T.unroll(unroll):
-                                    mstat[t, 0] = T.max(
-                                        mstat[t, 0],
-                                        T.Select(sp0 * unroll + u < used[0], ml[t, u, 0], T.float32(_NEG)),
-                                    )
-                            mstat[t, 1] = T.float32(0)
-                            for x in T.unroll(per):
-                                macc[t, x] = T.float32(0)
-                            for sp0 in T.serial(passes):
-                                for u in T.unroll(unroll):
-                                    sp = T.meta_var(T.min(sp0 * unroll + u, used[0] - 1))
-                                    for j in T.unroll(2):
-                                        ml[t, u, j] = part_ml[s, kvh, sp, r, j]
-                                    # scalar loads: a float4 access would retype the workspace
-                                    for x in T.unroll(per):
-                                        po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
-                                for u in T.unroll(unroll):
-                                    # an unused split's slot holds anything, NaN included: select, never scale
-                                    ok = T.meta_var(sp0 * unroll + u < used[0])
-                                    mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(_NEG)) - mstat[t, 0])
-                                    mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
-                                    for x in T.unroll(per):
-                                        macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
+                            if len(narrow) == 2:
+                                if used[0] <= narrow[0]:
+                                    first(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                                elif used[0] <= narrow[1]:
+                                    second(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                                else:
+                                    every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                            elif len(narrow) == 1:
+                                if used[0] <= narrow[0]:
+                                    first(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                                else:
+                                    every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                            else:
+                                every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
                             mstat[t, 2] = T.if_then_else(
                                 mstat[t, 1] > T.float32(0), T.float32(1) / mstat[t, 1], T.float32(0)
                             )

@@ -115,9 +115,10 @@ def test_corner_cases_of_lengths_and_windows():
 
 def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
     """20 splits merge in a pass of 16 and a pass of 4 (loads clamped to the last used split, the guard on
-    the values): the sequences use all 20 splits (240 keys, 12 per split), 5 (none of the second pass) and 17."""
+    the values), or in one narrow pass where a sequence uses at most 8 or 4 of them: the sequences use all
+    20 splits (240 keys, 12 per split), 5 (the pass of 8), 17 and 3 (the pass of 4)."""
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
-    arrays = _with_lengths(spec, spec.sample(np.random.default_rng(7), _sizes(spec, 3, 16)), [232, 9, 60])
+    arrays = _with_lengths(spec, spec.sample(np.random.default_rng(7), _sizes(spec, 4, 16)), [232, 9, 60, 3])
     got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=20), arrays)}
     assert not mismatches(spec, got, spec.reference(arrays), arrays)
 
