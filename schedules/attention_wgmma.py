@@ -9,9 +9,9 @@ its operands once for the four warps, straight from shared memory.
 
 Thread block = one warpgroup for (split, kv head, sequence), as in the mma kernel's grid; its 64 rows are
 the query rows (block row r // group, head r % group of the kv head's group), rows past block · group
-reading the last row and never stored. Shared memory holds Q and two slots of one 64-key group's K and V,
-every tile as [head_dim / 64 atoms][64 rows][64 bf16] with the 128-byte swizzle (16-byte chunk c of row r
-at chunk c xor r mod 8; `dflash_compiler/wgmma.py`):
+reading the last row and never stored. Shared memory holds Q and a ring of `stages` slots of one 64-key
+group's K and V, every tile as [head_dim / 64 atoms][64 rows][64 bf16] with the 128-byte swizzle
+(16-byte chunk c of row r at chunk c xor r mod 8; `dflash_compiler/wgmma.py`):
 
 * S = Q·Kᵀ: `m64n64k16` per 16 head-dim columns, A = the Q tile, B = the K tile, both K-major (a K row is
   one key's head_dim elements). The accumulators are mma.sync's m16n8 layout per warp: n-tile j holds keys
@@ -23,13 +23,16 @@ at chunk c xor r mod 8; `dflash_compiler/wgmma.py`):
   (`imm-trans-b`): the same [atom][key][64] layout, whose rows now run along N (head dim), 64-column
   blocks one tile apart (the leading byte offset) and 8-key groups 1024 bytes apart.
 
-Group grp + 1's K/V is loaded into registers (16-byte loads, cached rows through the page table, whose
-entries are read one group earlier still, then the block's own rows) while group grp is multiplied; the
-loads are stored into the other slot after grp's wgmmas have completed, made visible to the async proxy
-(`fence.proxy.async`), and a barrier ends the group. Keys past the split's end read its last key and score
--inf, as do keys a mask hides. The splits, their spans and the partial results are the mma kernel's
-(`attention_prim_func`), so `attention.py`'s merge kernel serves both. Before the wait for inputs the
-first `prefetch` groups' cached K/V lines are prefetched into L2, from the host-written lengths and tables.
+The K/V of group grp + stages - 1 is copied with 16-byte `cp.async`s straight into its ring slot (cached
+rows through the page table, whose entries are read one group earlier still, then the block's own rows)
+while group grp is multiplied, so no register holds a load in flight (128 registers, against 201 for
+staging through registers). Per group a thread waits for its own copies of the group, makes them visible
+to the async proxy (`fence.proxy.async`), and a block barrier makes everyone's visible and ends every read
+of the slot the next copies refill (the group before's wgmmas, waited for). Keys past the split's end read
+its last key and score -inf, as do keys a mask hides. The splits, their spans and the partial results are
+the mma kernel's (`attention_prim_func`), so `attention.py`'s merge kernel serves both. Before the wait
+for inputs the first `prefetch` groups' cached K/V lines are prefetched into L2, from the host-written
+lengths and tables.
 """
 
 from __future__ import annotations
