@@ -424,7 +424,7 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
         return combine
 
     # a batch that uses few of the splits (`slots`) takes the narrowest pass that holds them
-    narrow = [w for w in MERGE_WIDTHS if w < unroll]
+    narrow = sorted(w for w in MERGE_WIDTHS if w < unroll)
     every = combine_macro(unroll, passes)
     first = combine_macro(narrow[0], 1) if narrow else every
     second = combine_macro(narrow[1], 1) if len(narrow) > 1 else every

@@ -381,6 +381,9 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                             T.address_of(sm[base + atoms * TILE + kc * WGMMA_K * ATOM]), lbo,
                                         ))  # fmt: skip
                                     T.evaluate(T.call_extern("void", COMMIT))
+                                    # every wgmma of the group completes here: the barrier of the next group
+                                    # then frees this slot for copies (leaving P·V in flight across groups
+                                    # would need a later wait before that barrier)
                                     T.evaluate(T.call_extern("void", wait_o, T.address_of(oacc[0])))
 
                                 # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
