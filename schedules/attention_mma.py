@@ -188,9 +188,115 @@ def fit_mma_attention(
     return plan
 
 
+def locate_macro(spec: BlockAttentionSpec, splits: int, slots: int, unit: int) -> Any:
+    """`locate(span, s, n, p, blk_positions, nb)`: split p's keys [span[0], span[2]) of sequence s (n cached
+    rows) and span[3], the units of `unit` keys (a chunk, or a group) that cover them: the spans of
+    `split_span_macro` in multiples of CHUNK keys, which the merge kernel shares."""
+    from tvm.script import tirx as T
+
+    split_span = split_span_macro(spec, splits, CHUNK, slots)
+
+    @T.macro
+    def locate(span, s, n, p, blk_positions, nb):
+        split_span(span, s, n, blk_positions, nb)
+        span[0] = span[0] + p * span[1]
+        span[2] = T.min(span[0] + span[1], n + spec.block)
+        span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], unit), 0)
+
+    return locate
+
+
+def softmax_macro(spec: BlockAttentionSpec, nts: int) -> Any:
+    """`softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n, k0, end, gq, tq)`: one online
+    softmax step over the raw scores of `nts` 8-key n-tiles in mma.sync's m16n8 accumulator layout (both
+    tensor-core kernels hold S that way): masks the hidden keys, moves the rows' running max and sum, turns
+    the scores into weights `pa` (bf16, the A fragments of P·V) and rescales the output accumulators
+    `oacc` (head_dim / 8 n-tiles of the same layout)."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    blk, dts = spec.block, spec.head_dim // 8
+    q_scale = math.log2(math.e) / math.sqrt(spec.head_dim)
+    floor = _NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
+    masked = spec.causal or spec.window is not None
+    full = T.uint32(0xFFFFFFFF)
+
+    def exp2(x: Any) -> Any:
+        return T.call_extern("float32", EXP2, x)
+
+    @T.macro
+    def softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n, k0, end, gq, tq):
+        # raw scores; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2. Hidden
+        # keys score _NEG; without a mask only the split's last step holds keys past its end, so only a
+        # step that reaches past `end` compares keys (a branch the whole block takes alike)
+        if masked:
+            for nt in T.unroll(nts):
+                for e in T.unroll(4):
+                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
+                    sacc[nt * 4 + e] = T.if_then_else(
+                        tirx.all(
+                            key < end,
+                            _visible(
+                                spec,
+                                q_at[e // 2],
+                                T.if_then_else(
+                                    key < n, key, blk_positions[s * blk + T.max(T.min(key, end - 1) - n, 0)]
+                                ),
+                            ),
+                        ),
+                        sacc[nt * 4 + e],
+                        T.float32(_NEG),
+                    )
+        elif k0 + nts * 8 > end:
+            for nt in T.unroll(nts):
+                for e in T.unroll(4):
+                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
+                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(_NEG))
+        # online softmax in base 2: the running max m_run is in scaled units (q_scale > 0 keeps the raw
+        # order), a weight is 2^(raw · q_scale - max), one FFMA and one ex2. A row that has seen only hidden
+        # keys has max _NEG · q_scale; its weights are taken against `floor` instead, so they are 0, not 1
+        for h in T.unroll(2):
+            stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
+            for nt in T.unroll(1, nts):
+                stat[h] = T.max(stat[h], T.max(sacc[nt * 4 + h * 2], sacc[nt * 4 + h * 2 + 1]))
+            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
+            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
+            stat[h] = T.max(m_run[h], stat[h] * q_scale)  # the new running max
+            stat[2 + h] = exp2(m_run[h] - stat[h])  # rescale of what came before
+            m_run[h] = stat[h]
+            stat[h] = T.max(stat[h], T.float32(floor))
+        for nt in T.unroll(nts):
+            for e in T.unroll(4):
+                sacc[nt * 4 + e] = exp2(sacc[nt * 4 + e] * q_scale - stat[e // 2])
+                pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
+        for h in T.unroll(2):
+            l_run[h] = l_run[h] * stat[2 + h]
+            for nt in T.unroll(nts):
+                l_run[h] = l_run[h] + (sacc[nt * 4 + h * 2] + sacc[nt * 4 + h * 2 + 1])
+        for j in T.unroll(dts):
+            for e in T.unroll(4):
+                oacc[j * 4 + e] = oacc[j * 4 + e] * stat[2 + e // 2]
+
+    return softmax
+
+
+def row_sums_macro() -> Any:
+    """`row_sums(l_run)`: each thread's partial sums of its two rows, added up over the row's lane quad."""
+    from tvm.script import tirx as T
+
+    full = T.uint32(0xFFFFFFFF)
+
+    @T.macro
+    def row_sums(l_run):
+        for h in T.unroll(2):
+            l_run[h] = l_run[h] + T.call_extern("float32", "__shfl_xor_sync", full, l_run[h], 1, WARP)
+            l_run[h] = l_run[h] + T.call_extern("float32", "__shfl_xor_sync", full, l_run[h], 2, WARP)
+
+    return row_sums
+
+
 def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     """The CUDA-scheduled PrimFunc (same parameters as the SIMT kernel's) following `plan`."""
-    from tvm import tirx
     from tvm.script import tirx as T
 
     blk, hkv, dim, page, group = spec.block, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
@@ -208,14 +314,12 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         return row * pitch + staged_chunk(row, chunk, dim) * 8
 
     group_keys = warps * CHUNK
-    q_scale = math.log2(math.e) / math.sqrt(dim)
-    floor = _NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
-    masked = spec.causal or spec.window is not None
-    split_span = split_span_macro(spec, splits, CHUNK, plan.slots)
     chains = plan.qk_chains
     kt = plan.tile_chunks  # chunks per softmax step
     nts = 2 * kt  # 8-key n-tiles of S per step
-    full = T.uint32(0xFFFFFFFF)
+    locate = locate_macro(spec, splits, plan.slots, CHUNK)
+    softmax = softmax_macro(spec, nts)
+    row_sums = row_sums_macro()
     mma = mma_m16n8k16()
     chunk_pages = (page + CHUNK - 2) // page + 1  # pages 16 consecutive keys can touch
     red_values = vcols * 4 + 4  # a thread's outputs, (max, sum) of its two rows
@@ -253,14 +357,6 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
         # cache's last page): read one group before that group's K/V, so its loads never wait for them
         for e in T.unroll(chunk_pages):
             pslot[e] = table[s, T.min(T.min(first, end - 1) // page + e, T.max(T.min(n, end) - 1, 0) // page)]
-
-    @T.macro
-    def locate(span, s, n, p, blk_positions, nb):
-        # split p's keys [span[0], span[2]) of sequence s (n cached rows), span[3] chunks of them
-        split_span(span, s, n, blk_positions, nb)
-        span[0] = span[0] + p * span[1]
-        span[2] = T.min(span[0] + span[1], n + blk)
-        span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], CHUNK), 0)
 
     @T.macro
     def prefetch_chunk(pslot, kv, g, n, first, end, lane, kg):
@@ -339,56 +435,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                         ((st * 2 + j) % chains) * 4 * nts + nt * 4)  # fmt: skip
         for i in T.unroll(4 * nts * (chains - 1)):
             sacc[i % (4 * nts)] = sacc[i % (4 * nts)] + sacc[4 * nts + i]
-        # raw scores; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2. Hidden
-        # keys score _NEG; without a mask only the split's last tile holds keys past its end, so only a
-        # tile that reaches past `end` compares keys (a branch the whole block takes alike)
-        if masked:
-            for nt in T.unroll(nts):
-                for e in T.unroll(4):
-                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
-                    sacc[nt * 4 + e] = T.if_then_else(
-                        tirx.all(
-                            key < end,
-                            _visible(
-                                spec,
-                                q_at[e // 2],
-                                T.if_then_else(
-                                    key < n, key, blk_positions[s * blk + T.max(T.min(key, end - 1) - n, 0)]
-                                ),
-                            ),
-                        ),
-                        sacc[nt * 4 + e],
-                        T.float32(_NEG),
-                    )
-        elif k0 + nts * 8 > end:
-            for nt in T.unroll(nts):
-                for e in T.unroll(4):
-                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
-                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(_NEG))
-        # online softmax in base 2: the running max m_run is in scaled units (q_scale > 0 keeps the raw
-        # order), a weight is 2^(raw · q_scale - max), one FFMA and one ex2. A row that has seen only hidden
-        # keys has max _NEG · q_scale; its weights are taken against `floor` instead, so they are 0, not 1
-        for h in T.unroll(2):
-            stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
-            for nt in T.unroll(1, nts):
-                stat[h] = T.max(stat[h], T.max(sacc[nt * 4 + h * 2], sacc[nt * 4 + h * 2 + 1]))
-            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
-            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
-            stat[h] = T.max(m_run[h], stat[h] * q_scale)  # the new running max
-            stat[2 + h] = exp2(m_run[h] - stat[h])  # rescale of what came before
-            m_run[h] = stat[h]
-            stat[h] = T.max(stat[h], T.float32(floor))
-        for nt in T.unroll(nts):
-            for e in T.unroll(4):
-                sacc[nt * 4 + e] = exp2(sacc[nt * 4 + e] * q_scale - stat[e // 2])
-                pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
-        for h in T.unroll(2):
-            l_run[h] = l_run[h] * stat[2 + h]
-            for nt in T.unroll(nts):
-                l_run[h] = l_run[h] + (sacc[nt * 4 + h * 2] + sacc[nt * 4 + h * 2 + 1])
-        for j in T.unroll(vcols):
-            for e in T.unroll(4):
-                oacc[j * 4 + e] = oacc[j * 4 + e] * stat[2 + e // 2]
+        softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n, k0, end, gq, tq)
         # O += P·V per chunk ks of the tile: its P fragment is n-tiles 2ks, 2ks + 1 of S (keys in natural
         # order); B fragment of d-tile j = element j of the thread's V vectors of keys 2tq, 2tq+1, 8+2tq, 9+2tq
         for ks_ in T.unroll(kt):
@@ -551,13 +598,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                     T.tvm_storage_sync("shared")
 
                                 # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
-                                for h in T.unroll(2):
-                                    l_run[h] = l_run[h] + T.call_extern(
-                                        "float32", "__shfl_xor_sync", full, l_run[h], 1, WARP
-                                    )
-                                    l_run[h] = l_run[h] + T.call_extern(
-                                        "float32", "__shfl_xor_sync", full, l_run[h], 2, WARP
-                                    )
+                                row_sums(l_run)
                                 for h in T.unroll(2):
                                     if kg == 0 and w * 16 + h * 8 + gq < rows:
                                         if chunks > 0:

@@ -37,13 +37,11 @@ lengths and tables.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
-from dflash_compiler.fast_exp2 import EXP2
 from dflash_compiler.targets import Target
 from dflash_compiler.wgmma import (
     COMMIT,
@@ -60,12 +58,10 @@ from .attention import (
     DTYPE,
     AttentionRule,
     BlockAttentionSpec,
-    _visible,
     attention_prim_func,
     default_splits,
-    split_span_macro,
 )
-from .attention_mma import _NEG, CHUNK, LINE_ELEMENTS
+from .attention_mma import _NEG, CHUNK, LINE_ELEMENTS, locate_macro, row_sums_macro, softmax_macro
 from .base import FamilyRule, Kernel, OpInstance, ScheduleError
 
 WARP = 32
@@ -146,7 +142,6 @@ def fit_wgmma_attention(
 
 def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> Any:
     """The CUDA-scheduled PrimFunc (same parameters and partial results as the mma kernel's) of `plan`."""
-    from tvm import tirx
     from tvm.script import tirx as T
 
     blk, hkv, dim, page, group = spec.block, spec.kv_heads, spec.head_dim, spec.page_size, spec.group
@@ -160,16 +155,12 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
     q_elems = atoms * TILE
     slot_elems = 2 * atoms * TILE  # one group's K, then its V
     lbo = TILE * 2  # bytes between the 64-column blocks of a V tile read N-major
-    q_scale = math.log2(math.e) / math.sqrt(dim)
-    floor = _NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
-    masked = spec.causal or spec.window is not None
-    split_span = split_span_macro(spec, splits, CHUNK, plan.slots)
-    full = T.uint32(0xFFFFFFFF)
     mma_s, wait_s = mma_name(KEYS), wait_name(KEYS)
     mma_o, wait_o = mma_rs_name(dim), wait_name(dim)
-
-    def exp2(x: Any) -> Any:
-        return T.call_extern("float32", EXP2, x)
+    # the mma kernel's span logic (in groups of KEYS), softmax step (KEYS at once) and row sums
+    locate = locate_macro(spec, splits, plan.slots, KEYS)
+    softmax = softmax_macro(spec, nts)
+    row_sums = row_sums_macro()
 
     def vector_row(i: int, tid: Any) -> Any:
         return (i * WARPGROUP + tid) // vecs
@@ -180,14 +171,6 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
     def group_key(first: Any, i: int, tid: Any, end: Any) -> Any:
         # the key of the thread's i-th vector of a group starting at `first`; past the split's end, its last
         return T.min(first + vector_row(i, tid), end - 1)
-
-    @T.macro
-    def locate(span, s, n, p, blk_positions, nb):
-        # split p's keys [span[0], span[2]) of sequence s (n cached rows), span[3] groups of them
-        split_span(span, s, n, blk_positions, nb)
-        span[0] = span[0] + p * span[1]
-        span[2] = T.min(span[0] + span[1], n + blk)
-        span[3] = T.if_then_else(span[0] < span[2], T.ceildiv(span[2] - span[0], KEYS), 0)
 
     @T.macro
     def read_table(pt, table, s, n, first, end, tid):
@@ -225,57 +208,6 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
             else:
                 copy16(sm[dst], k[s * blk + key - n, g * dim + d0])
                 copy16(sm[dst + atoms * TILE], v[s * blk + key - n, g * dim + d0])
-
-    @T.macro
-    def softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n, k0, end, gq, tq):
-        # raw scores; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2. Hidden
-        # keys score _NEG; without a mask only a group reaching past `end` compares keys
-        if masked:
-            for nt in T.unroll(nts):
-                for e in T.unroll(4):
-                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
-                    sacc[nt * 4 + e] = T.if_then_else(
-                        tirx.all(
-                            key < end,
-                            _visible(
-                                spec,
-                                q_at[e // 2],
-                                T.if_then_else(
-                                    key < n, key, blk_positions[s * blk + T.max(T.min(key, end - 1) - n, 0)]
-                                ),
-                            ),
-                        ),
-                        sacc[nt * 4 + e],
-                        T.float32(_NEG),
-                    )
-        elif k0 + KEYS > end:
-            for nt in T.unroll(nts):
-                for e in T.unroll(4):
-                    key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
-                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(_NEG))
-        # online softmax in base 2, as in attention_mma.py: m_run in scaled units, a weight is
-        # 2^(raw · q_scale - max); a row that has seen only hidden keys takes `floor` as its max (weights 0)
-        for h in T.unroll(2):
-            stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
-            for nt in T.unroll(1, nts):
-                stat[h] = T.max(stat[h], T.max(sacc[nt * 4 + h * 2], sacc[nt * 4 + h * 2 + 1]))
-            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 1, WARP))
-            stat[h] = T.max(stat[h], T.call_extern("float32", "__shfl_xor_sync", full, stat[h], 2, WARP))
-            stat[h] = T.max(m_run[h], stat[h] * q_scale)
-            stat[2 + h] = exp2(m_run[h] - stat[h])
-            m_run[h] = stat[h]
-            stat[h] = T.max(stat[h], T.float32(floor))
-        for nt in T.unroll(nts):
-            for e in T.unroll(4):
-                sacc[nt * 4 + e] = exp2(sacc[nt * 4 + e] * q_scale - stat[e // 2])
-                pa[nt * 4 + e] = T.Cast(DTYPE, sacc[nt * 4 + e])
-        for h in T.unroll(2):
-            l_run[h] = l_run[h] * stat[2 + h]
-            for nt in T.unroll(nts):
-                l_run[h] = l_run[h] + (sacc[nt * 4 + h * 2] + sacc[nt * 4 + h * 2 + 1])
-        for j in T.unroll(dts):
-            for e in T.unroll(4):
-                oacc[j * 4 + e] = oacc[j * 4 + e] * stat[2 + e // 2]
 
     @T.macro
     def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
@@ -387,13 +319,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                     T.evaluate(T.call_extern("void", wait_o, T.address_of(oacc[0])))
 
                                 # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
-                                for h in T.unroll(2):
-                                    l_run[h] = l_run[h] + T.call_extern(
-                                        "float32", "__shfl_xor_sync", full, l_run[h], 1, WARP
-                                    )
-                                    l_run[h] = l_run[h] + T.call_extern(
-                                        "float32", "__shfl_xor_sync", full, l_run[h], 2, WARP
-                                    )
+                                row_sums(l_run)
                                 for h in T.unroll(2):
                                     if ty * 16 + h * 8 + gq < rows:
                                         if groups > 0:
