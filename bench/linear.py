@@ -28,8 +28,8 @@ GEMM (linear_wgmma.py), variants named `<kernel>__g<warpgroups>n<block_m>s<stage
 sequences of 16 block rows), plus correctness cases of odd shapes.
 `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows: the default (the small
 tiled kernel for bf16 weights), GEMV mode, and variants named
-`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>` (`--few-variant S,K,W`, repeated,
-picks them; `--shapes` the weights):
+`<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>[n<gemv_tiled_n_tiles>]`
+(`--few-variant S,K,W[,N]`, repeated, picks them; `--shapes` the weights):
 
     python bench/linear.py build --gemm -o build/linear_gemm
     PYTHONPATH=. python bench/linear.py run build/linear_gemm --json build/linear_gemm/results.json
@@ -143,7 +143,7 @@ WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 FEW_ROWS = (1, 8, 16, 32)
-# (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps); --few-variant replaces them
+# (gemv_tiled_stages, gemv_tiled_k_steps, gemv_tiled_k_warps[, gemv_tiled_n_tiles]); --few-variant replaces them
 FEW_VARIANTS = ((4, 8, 1), (3, 8, 1), (4, 4, 1), (4, 8, 4), (4, 4, 4), (3, 16, 8), (3, 16, 4), (2, 16, 4))
 FEW_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8", 72, 128, FP8))
 KNOB_NAMES = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps")
@@ -260,13 +260,17 @@ def build(args: argparse.Namespace) -> None:
                 add(name, spec, mma, FEW_ROWS)
                 add_variant(name, spec, "gemv", FEW_ROWS, {"gemv_tiled_stages": 0})
                 for values in args.few_variant or FEW_VARIANTS:
-                    add_variant(name, spec, "s{}x{}k{}".format(*values), FEW_ROWS, few_rows_knobs(*values))
+                    tag = "s{}x{}k{}".format(*values) + ("n{}".format(*values[3:]) if len(values) > 3 else "")
+                    add_variant(name, spec, tag, FEW_ROWS, few_rows_knobs(*values))
         for op, n, k, wdtype in FEW_ODD:  # ragged n, rows past m, FP8 weights through the small tiled kernel
             add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few", (1, 7, 16, 32),
                         {"gemv_tiled_stages": 3}, False)  # fmt: skip
             # warps along k where the slot's k steps allow two
             add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few_k2", (1, 7, 16, 32),
                         {"gemv_tiled_stages": 3, "gemv_tiled_k_warps": 2}, False)  # fmt: skip
+            # two weight tiles per block sharing each x tile (a ragged last block where n is not a multiple of 32)
+            add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), "few_n2", (1, 7, 16, 32),
+                        {"gemv_tiled_stages": 3, "gemv_tiled_n_tiles": 2}, False)  # fmt: skip
         shapes, odd = (), ()
     else:
         shapes, odd = SHAPES, ODD
@@ -546,9 +550,9 @@ def main() -> int:
     b.add_argument(
         "--few-variant",
         action="append",
-        type=_knob_values((3,), "3,16,8"),
-        metavar="S,K,W",
-        help="with --few-rows: a (stages, k_steps, k_warps) variant instead of the built-in ones",
+        type=_knob_values((3, 4), "3,16,8"),
+        metavar="S,K,W[,N]",
+        help="with --few-rows: a (stages, k_steps, k_warps[, n_tiles]) variant instead of the built-in ones",
     )
     b.add_argument(
         "--gemm-variant",

@@ -40,12 +40,12 @@ _OPS = {Op.MATMUL.value: (BF16,), Op.MATMUL_FP8.value: (FP8,), Op.LM_HEAD.value:
 _DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32}
 _OP_ATTR = "dflash.op"
 # the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
-FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps")
+FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
 
 
-def few_rows_knobs(stages: int, k_steps: int, k_warps: int) -> dict[str, int]:
+def few_rows_knobs(stages: int, k_steps: int, k_warps: int, n_tiles: int = 1) -> dict[str, int]:
     """The small tiled kernel's knobs by value (stages 0: GEMV mode)."""
-    return dict(zip(FEW_ROWS_KNOBS, (stages, k_steps, k_warps), strict=True))
+    return dict(zip(FEW_ROWS_KNOBS, (stages, k_steps, k_warps, n_tiles), strict=True))
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,9 @@ class LinearMmaRule(FamilyRule):
     GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
     `wgmma_k_atoms`, `wgmma_k_splits` and `wgmma_mma_groups` (WgmmaPlan; 0 takes `wgmma_defaults`); the
     other GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
-    rows on a tiled kernel too (`small_tiled_plan`: 16 weight rows and 16 rows of x per block, that many
-    slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight
+    rows on a tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x
+    per block, that many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k
+    split), whose weight
     stream is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`,
     `unroll`, `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and `gemv_tiled_k_warps`
     are upper bounds: the largest values that divide the k steps evenly are used, and the Kernel reports
@@ -290,7 +291,8 @@ class LinearMmaRule(FamilyRule):
         chosen = self.knobs_for(spec, target, knobs)
         plan, gemm, small, func = self._func(spec, target, chosen)
         used = gemm_knobs(gemm)
-        few = few_rows_knobs(small.stages, small.k_steps, small.k_warps) if small else few_rows_knobs(0, 0, 0)
+        few = (few_rows_knobs(small.stages, small.k_steps, small.k_warps, small.n_tiles) if small
+               else few_rows_knobs(0, 0, 0, 0))  # fmt: skip
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
                       knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few}, spec=spec)  # fmt: skip
 
@@ -378,16 +380,23 @@ class LinearMmaRule(FamilyRule):
           16.18 → 14.55 (19.01 → 13.18) with four of 8 (its 384 blocks would take two waves of three of 16:
           17.64). One warp per block runs one chain of dependent mmas through every slot and set the pace
           before: o_proj 12.18, qkv 15.21 at four of 8;
-        * wide bf16 weights (as in gemv_defaults): four slots of 4 k steps, one warp (warps along k were
-          within noise): gate_up 53.6 → 50.5, lm_head 306.4 → 297.6;
+        * wide weights (as in gemv_defaults): slots of 4 k steps, four warps along k and four weight tiles
+          per block (`gemv_tiled_n_tiles`, 64 weight rows sharing each x tile, so that x's reads from L2 are
+          a quarter of the weight's bytes for bf16 and half for FP8, against once and twice with one tile);
+          three slots for bf16, two for FP8. Dependent launches, µs at 1 / 8 / 16 / 32 rows, one tile of one
+          warp in four slots (bf16) or GEMV mode (FP8) → chosen, from one run:
+          gate_up 50.1 / 51.2 / 53.4 / 94.3 → 47.0 / 47.8 / 48.4 / 58.0,
+          lm_head 286.7 / 292.3 / 305.0 / 591.5 → 276.5 / 282.1 / 287.5 / 396.2,
+          gate_up FP8 31.7 / 32.0 / 33.3 / 61.9 → 26.8 / 27.3 / 28.8 / 49.5,
+          lm_head FP8 167.7 / 169.2 / 191.0 / 385.2 → 149.6 / 156.3 / 178.6 / 327.7.
+          Two tiles per block gained less (gate_up FP8 at 16 rows 31.1), eight lost (45.2);
         * narrow FP8 weights: four slots of 4 k steps (an FP8 k step is 64 wide), four warps along k: qkv
-          11.33 → 10.00, o_proj 9.40 → 7.53, down 19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode);
-        * wide FP8 weights stay on GEMV mode (lm_head 190.1 against 210.6; each block also reads twice the
-          weight's bytes of x).
+          11.33 → 10.00, o_proj 9.40 → 7.53, down 19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode).
+          More weight tiles per block lost here (fewer blocks: o_proj FP8 6.69 → 8.90 with two).
         """
         wide = wide_weight(spec, target)
         if wide:
-            return {} if spec.fp8 else few_rows_knobs(4, 4, 1)
+            return few_rows_knobs(2 if spec.fp8 else 3, 4, 4, 4)
         if spec.fp8:
             return few_rows_knobs(4, 4, 4)
         blocks = -(-spec.n // MMA_ROWS)
@@ -559,10 +568,12 @@ def wide_weight(spec: LinearSpec, target: Target) -> bool:
 
 
 def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:
-    """The tiled kernel for calls of at most gemm_rows rows: 16 weight rows by 16 rows of x per block (a call
-    of 17-32 rows takes two x tiles, the second reading the weight from L2), `gemv_tiled_stages` slots of up
-    to `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps each multiplying its share of every slot, no
-    k split (no merge launch).
+    """The tiled kernel for calls of at most gemm_rows rows: 16 · `gemv_tiled_n_tiles` weight rows by 16 rows
+    of x per block (a call of 17-32 rows takes two x tiles, the second reading the weight from L2),
+    `gemv_tiled_stages` slots of up to `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps each
+    multiplying its share of every slot, no k split (no merge launch). More weight tiles per block share
+    each x tile: a block reads x's k range once per 16 · n_tiles weight rows, which is twice the weight's
+    bytes per 16 rows for FP8 weights (an e4m3 k step is 64 wide, its x 128 bytes a row).
 
     Why shared memory: a short weight stream is bound by the bytes in flight per SM (a read-only stream
     kernel on the H200, as in bench/stream.py: 32 MiB per launch reach 67 % of the copy bandwidth with
@@ -573,7 +584,8 @@ def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int])
     through every slot and paces the stream (o_proj at four slots of 8: 12.2 µs with one warp, 10.9 with
     four along k).
     """
-    return fit_tiled_plan(spec, target, {"n_warps": 1, "m_warps": 1, "n_tiles": 1, "m_tiles": 2, "k_splits": 1,
+    return fit_tiled_plan(spec, target, {"n_warps": 1, "m_warps": 1, "n_tiles": knobs["gemv_tiled_n_tiles"],
+                                         "m_tiles": 2, "k_splits": 1,
                                          "stages": knobs["gemv_tiled_stages"],
                                          "k_steps": knobs["gemv_tiled_k_steps"],
                                          "k_warps": knobs["gemv_tiled_k_warps"]}, few_rows=True)  # fmt: skip

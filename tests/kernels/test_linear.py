@@ -19,6 +19,7 @@ from dflash_compiler.schedules.base import OpInstance, ScheduleError
 from dflash_compiler.schedules.linear import (
     BF16,
     F32,
+    FEW_ROWS_KNOBS,
     FP8,
     LinearGemvRule,
     LinearMmaRule,
@@ -243,7 +244,9 @@ def test_mma_kernel_lowers_with_a_sane_launch(target):
 
 
 def test_fp8_kernel_has_its_own_defaults_and_scales():
-    kernel = LinearMmaRule().apply(LinearSpec("lm_head", 151936, 4096, FP8), SM121)
+    """GEMV mode's FP8 defaults (by default the calls of few rows take the small tiled kernel instead:
+    test_few_rows_go_to_a_small_tiled_kernel)."""
+    kernel = LinearMmaRule().apply(LinearSpec("lm_head", 151936, 4096, FP8), SM121, {"gemv_tiled_stages": 0})
     assert kernel is not None
     assert _gemv_knobs(kernel) == {
         "warps": 4,
@@ -395,6 +398,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
         "gemv_tiled_stages": 0,
         "gemv_tiled_k_steps": 0,
         "gemv_tiled_k_warps": 0,
+        "gemv_tiled_n_tiles": 0,
     }
     plan = fit_mma_plan(spec, target, kernel.knobs)
     cuda, launch = _lower(kernel, target)
@@ -714,25 +718,26 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
     spec = LinearSpec("matmul", 6144, 4096)
     kernel = LinearMmaRule().apply(spec, target)
     # qkv is narrow on the H200's 132 SMs (four slots of 8 k steps, four warps along k: its 384 blocks fit
-    # one wave of those, not of three slots of 16), wide on GB10's 48 (four of 4, one warp)
-    slots = (4, 8, 4) if target is SM90 else (4, 4, 1)
-    assert tuple(kernel.knobs[k] for k in ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps")) == slots
+    # one wave of those, not of three slots of 16), wide on GB10's 48 (three of 4, four warps, four tiles)
+    slots = (4, 8, 4, 1) if target is SM90 else (3, 4, 4, 4)
+    assert tuple(kernel.knobs[k] for k in FEW_ROWS_KNOBS) == slots
     plan = small_tiled_plan(spec, target, kernel.knobs)
-    assert (plan.block_n, plan.block_m, plan.threads, plan.k_splits) == (16, 16, 32 * slots[2], 1)
-    assert plan.shared_bytes() == slots[0] * slots[1] * (16 + 16) * 64 <= target.max_shared_memory_per_block
+    rows = 16 * slots[3]  # weight rows per block
+    assert (plan.block_n, plan.block_m, plan.threads, plan.k_splits) == (rows, 16, 32 * slots[2], 1)
+    assert plan.shared_bytes() == slots[0] * slots[1] * (rows + 16) * 64 <= target.max_shared_memory_per_block
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     func = cuda.functions[kernel.name]
     few, gemm, *merge = func.kernels
     for m in (1, 7, 16, 32):
         assert func.launches({"m": m}) == [few], m
     assert func.launches({"m": 33}) == [gemm, *merge]
-    assert few.grid == ("((m + 15) // 16)", "384", "1") and few.block == ("32", str(slots[2]), "1")
+    assert few.grid == ("((m + 15) // 16)", str(6144 // rows), "1") and few.block == ("32", str(slots[2]), "1")
     assert int(few.dynamic_smem) == plan.shared_bytes()
     assert len(func.workspaces) == len(merge)  # the big GEMM's k splits have one; the few-rows kernel none
     body = cuda.source[slice(*kernel_bodies(cuda.source)[few.name])]
     assert "(w_ptr + " not in body and "(x_ptr + " not in body  # both operands by async copies only
     # two x tiles, two mmas per 16-row tile and k step, each warp its share of a slot's k steps
-    assert body.count(MMA_BF16) == 2 * 2 * plan.k_steps // plan.k_warps
+    assert body.count(MMA_BF16) == plan.n_tiles * 2 * 2 * plan.k_steps // plan.k_warps
     assert body.index("w_ptr[") < body.index(f"{WAIT}();") < body.index("x_ptr[")
     assert_only_weights_before_the_wait(cuda.source, few.name)
     assert_triggers_after_its_last_weight_copies(body, spec, plan)
@@ -740,24 +745,26 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
         # the warps along k hand their sums over through the slots once every copy landed: two barriers
         # more, and only the first warp stores
         assert body.count("__syncthreads()") == 3 and body.count("wait_group_0()") == 1
-        assert body.count("y_ptr[") == 8 and body.rindex("if (((int)threadIdx.y) == 0)") < body.index("y_ptr[")
+        assert body.count("y_ptr[") == 8 * plan.n_tiles
+        assert body.rindex("if (((int)threadIdx.y) == 0)") < body.index("y_ptr[")
     # by shape
+    wide, wide_fp8 = (3, 4, 4, 4), (2, 4, 4, 4)  # four weight tiles per block share each x tile
     for other, chosen in [
-        (LinearSpec("matmul", 24576, 4096), (4, 4, 1)),  # wide
-        (LinearSpec("lm_head", 151936, 4096), (4, 4, 1)),
+        (LinearSpec("matmul", 24576, 4096), wide),
+        (LinearSpec("lm_head", 151936, 4096), wide),
         # 256 blocks: three slots of 16 fit one wave of the H200, not of GB10
-        (LinearSpec("matmul", 4096, 4096), (3, 16, 8) if target is SM90 else (4, 8, 4)),
-        (LinearSpec("matmul", 4096, 12288), (3, 16, 8) if target is SM90 else (4, 8, 4)),
+        (LinearSpec("matmul", 4096, 4096), (3, 16, 8, 1) if target is SM90 else (4, 8, 4, 1)),
+        (LinearSpec("matmul", 4096, 12288), (3, 16, 8, 1) if target is SM90 else (4, 8, 4, 1)),
         # 640 blocks fit no wave of the H200: the second; wide on GB10
-        (LinearSpec("matmul", 10240, 4096), (4, 8, 4) if target is SM90 else (4, 4, 1)),
-        (LinearSpec("matmul_fp8", 4096, 4096, FP8), (4, 4, 4)),
-        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (4, 4, 4) if target is SM90 else (0, 0, 0)),
-        (LinearSpec("lm_head", 151936, 4096, FP8), (0, 0, 0)),  # wide FP8: GEMV mode
-        (LinearSpec("matmul", 200, 96), (3, 1, 1)),  # 3 k steps: slots of one, one warp
+        (LinearSpec("matmul", 10240, 4096), (4, 8, 4, 1) if target is SM90 else wide),
+        (LinearSpec("matmul_fp8", 4096, 4096, FP8), (4, 4, 4, 1)),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (4, 4, 4, 1) if target is SM90 else wide_fp8),
+        (LinearSpec("matmul_fp8", 24576, 4096, FP8), wide_fp8),
+        (LinearSpec("lm_head", 151936, 4096, FP8), wide_fp8),
+        (LinearSpec("matmul", 200, 96), (3, 1, 1, 1)),  # 3 k steps: slots of one, one warp
     ]:
         knobs = LinearMmaRule().apply(other, target).knobs
-        used = (knobs["gemv_tiled_stages"], knobs["gemv_tiled_k_steps"], knobs["gemv_tiled_k_warps"])
-        assert used == chosen, other.name
+        assert tuple(knobs[k] for k in FEW_ROWS_KNOBS) == chosen, other.name
     # gemv_tiled_stages 0 gives GEMV mode too, and gemm_rows 0 leaves one kernel
     for knobs in ({"gemv_tiled_stages": 0}, {"gemm_rows": 0}):
         plain = LinearMmaRule().apply(spec, target, knobs)
@@ -768,6 +775,36 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
     gemv_plan = fit_mma_plan(spec, target, kernel.knobs)
     with pytest.raises(ScheduleError, match="one k split"):
         mma_gemv_func(spec, gemv_plan, None, plan)
+
+
+@pytest.mark.parametrize(
+    "spec", [LinearSpec("matmul_fp8", 4096, 4096, FP8), LinearSpec("matmul", 200, 96)], ids=["o_proj-fp8", "ragged"]
+)
+def test_weight_tiles_of_a_small_tiled_block_share_its_x_tile(spec):
+    """gemv_tiled_n_tiles 2: a block of the small tiled kernel owns 32 weight rows whose two 16-row tiles
+    multiply every x fragment it reads, so the grid and x's reads from L2 halve; the knob is reported, the
+    ragged last block of a weight that is no multiple of 32 rows stores only rows below n."""
+    base = LinearMmaRule().apply(spec, SM90, {"gemv_tiled_stages": 3, "gemv_tiled_k_steps": 4})
+    kernel = LinearMmaRule().apply(spec, SM90, {"gemv_tiled_stages": 3, "gemv_tiled_k_steps": 4,
+                                                "gemv_tiled_n_tiles": 2})  # fmt: skip
+    assert (base.knobs["gemv_tiled_n_tiles"], kernel.knobs["gemv_tiled_n_tiles"]) == (1, 2)
+    one, two = (small_tiled_plan(spec, SM90, k.knobs) for k in (base, kernel))
+    assert (one.block_n, two.block_n, two.block_m, two.threads) == (16, 32, 16, one.threads)
+    # a slot holds twice the weight rows and the same x rows
+    assert two.stage_bytes() - one.stage_bytes() == 16 * 64 * two.k_steps
+    few = [lower_to_cuda(tvm.IRModule({k.name: k.func}), SM90).functions[k.name].kernels[0] for k in (base, kernel)]
+    assert [f.grid for f in few] == [("((m + 15) // 16)", str(-(-spec.n // rows)), "1") for rows in (16, 32)]
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
+    body = cuda.source[slice(*kernel_bodies(cuda.source)[few[1].name])]
+    mma = MMA_BF16
+    per_tile = 2 * two.vector // 4 * two.k_steps // two.k_warps  # two x tiles, vector / 4 mmas per k step
+    assert body.count(mma) == 2 * per_tile
+    assert body.count("y_ptr[") == 2 * 2 * 4
+    # the ragged last block's second tile lies past n (rows 208-223 of 200): all but the last block store it
+    assert ("(((int)blockIdx.y) < " in body) == (spec.n % 32 != 0)
+    # GEMV mode (stages 0) has no small plan: all its knobs read 0
+    gemv = LinearMmaRule().apply(spec, SM90, {"gemv_tiled_stages": 0}).knobs
+    assert [gemv[k] for k in FEW_ROWS_KNOBS] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(
