@@ -10,7 +10,9 @@ Sizing (DESIGN.md "Paged KV cache"): pages of 16 rows, one page holding K and V 
 ``bytes_per_page = L·2·16·Hkv·D·sizeof(bf16)``. A sequence needs ``pages_per_seq = ceil((rows + B + 1) / 16)``
 pages, ``rows`` = ``max_seq_len``: the block's B rows are appended (padded mode) before the rollback, and
 the anchor sits one past the context. The pool is ``pages_per_seq · max_batch + 1`` pages (page 0 is the
-scratch page padded rows write into), or as many pages as ``kv_budget_bytes`` holds.
+scratch page padded rows write into), or as many pages as ``kv_budget_bytes`` holds. A pool of more than
+2^31 elements is refused: the cache kernels address it with 32-bit offsets (Qwen3-8B-DFlash at max_seq_len
+8192: up to 25 sequences).
 
 With ``sliding_window_only``, a sliding layer keeps its last ``W`` rows. Pages are shared by all layers
 (one page index covers every layer), so a sequence needs fewer pages only when every layer slides; then
@@ -28,6 +30,9 @@ from dflash_compiler.ir_passes.context import PassContext
 from dflash_compiler.lower import PAGE_SIZE, kv_cache_type
 from dflash_compiler.options import BuildOptions
 from dflash_compiler.plans import KVCachePlan, LayerRetention, PlanError, SizedBy, dtype_bytes
+
+# the cache kernels (kv_write, the attention kernels) index the pool with int32 element offsets
+MAX_CACHE_ELEMENTS = 2**31
 
 
 def serving_block_size(config: DrafterConfig, options: BuildOptions) -> int:
@@ -85,6 +90,38 @@ def _budget_pages(budget: int, page_bytes: int, per_seq: int, options: BuildOpti
     return pages
 
 
+def _check_offsets(num_pages: int, page_bytes: int, per_seq: int, config: DrafterConfig, options: BuildOptions) -> None:
+    """Refuses a pool the cache kernels cannot address: they index the whole pool (every layer's K and V of
+    every page) with 32-bit element offsets, so it must hold at most 2^31 elements."""
+    per_page = page_bytes // dtype_bytes(kv_cache_type(config).dtype)
+    most = MAX_CACHE_ELEMENTS // per_page
+    if num_pages <= most:
+        return
+    fits = (most - 1) // per_seq  # full-length sequences beside the scratch page
+    if options.kv_budget_bytes is not None:
+        where, fix = "BuildOptions.kv_budget_bytes", f"lower kv_budget_bytes to at most {most * page_bytes}"
+    else:
+        where = "BuildOptions.max_batch"
+        fix = (
+            f"lower max_batch to at most {fits} or lower max_seq_len, or size the pool with kv_budget_bytes of at "
+            f"most {most * page_bytes}"
+            if fits
+            else f"lower max_seq_len: one sequence of {options.max_seq_len} rows does not fit beside the scratch page"
+        )
+    raise PlanError(
+        "KV cache sizing",
+        [
+            Problem(
+                where,
+                f"a pool of {num_pages} pages ({num_pages * per_page} cache elements, {num_pages * page_bytes} bytes)",
+                f"at most {most} pages ({MAX_CACHE_ELEMENTS} elements): the cache kernels address the pool with "
+                "32-bit element offsets",
+                fix,
+            )
+        ],
+    )
+
+
 def make_kv_plan(config: DrafterConfig, options: BuildOptions) -> KVCachePlan:
     """The pool the runtime allocates for ``config`` served with ``options``."""
     block = serving_block_size(config, options)
@@ -95,6 +132,7 @@ def make_kv_plan(config: DrafterConfig, options: BuildOptions) -> KVCachePlan:
         num_pages, sized_by = _budget_pages(options.kv_budget_bytes, page_bytes, per_seq, options), SizedBy.BUDGET
     else:
         num_pages, sized_by = per_seq * options.max_batch + 1, SizedBy.MAX_BATCH
+    _check_offsets(num_pages, page_bytes, per_seq, config, options)
     return KVCachePlan(
         page_size=PAGE_SIZE,
         block_size=block,

@@ -93,6 +93,26 @@ def test_too_small_budget_says_how_many_bytes_are_needed() -> None:
     assert "max_seq_len" in text  # how to fix it otherwise
 
 
+def test_pool_past_int32_offsets_is_refused() -> None:
+    """The cache kernels address the pool with 32-bit element offsets: Qwen3-8B-DFlash's page holds
+    5 · 2 · 16 · 8 · 128 = 163840 elements, so 2^31 of them are 13107 pages, 25 sequences of 514 pages
+    (max_seq_len 8192) beside the scratch page."""
+    assert plan(QWEN3_8B, max_seq_len=8192, max_batch=25).num_pages == 25 * 514 + 1 <= 13107
+    with pytest.raises(PlanError) as info:
+        plan(QWEN3_8B, max_seq_len=8192, max_batch=26)
+    text = str(info.value)
+    assert "BuildOptions.max_batch" in text and "a pool of 13365 pages" in text  # what was found
+    assert "at most 13107 pages (2147483648 elements)" in text and "32-bit" in text  # what is expected, and why
+    assert "lower max_batch to at most 25" in text and f"kv_budget_bytes of at most {13107 * PAGE_8B}" in text
+    # a budget sizes the pool instead: the same limit, named by its option
+    assert plan(QWEN3_8B, max_seq_len=8192, kv_budget_bytes=13107 * PAGE_8B).num_pages == 13107
+    with pytest.raises(PlanError, match=r"kv_budget_bytes.*a pool of 13108 pages.*lower kv_budget_bytes"):
+        plan(QWEN3_8B, max_seq_len=8192, kv_budget_bytes=13108 * PAGE_8B)
+    # one sequence too long for the pool on its own
+    with pytest.raises(PlanError, match="lower max_seq_len: one sequence of 2200000 rows"):
+        plan(QWEN3_8B, max_seq_len=2_200_000, max_batch=1)
+
+
 def test_sliding_window_retention_when_every_layer_slides() -> None:
     # tiny-dflash2: 2 layers, both sliding with W = 10, block 8, Hkv 2, D 16
     p = plan("tiny-dflash2", max_seq_len=4096, max_batch=4, sliding_window_only=True)
