@@ -848,21 +848,10 @@ def default_splits(target: Target) -> int:
     return splits
 
 
-class AttentionRule(FamilyRule):
-    """`block_attention` nodes over a bf16 paged cache (or a BlockAttentionSpec).
-
-    Knobs: `threads` per block (both kernels), `chunk` keys staged per step (a power of two), `splits`
-    (thread blocks one (sequence, kv head) is split across; spans adapt to each length).
-    """
-
-    name = "block_attention"
-    knob_names = ("threads", "chunk", "splits")
-
-    def default_knobs(self, target: Target) -> dict[str, int]:
-        # 256 threads: 8 warps cover a 64 x 32 score tile at 8 scores per thread. Chunk 32 fits sm_120's
-        # 99 KiB with f32 staging (64 was slower on an H200). On an H200 16 splits beat 32 (74 vs 81 us
-        # at 4096 keys, 162 vs 188 us for 8 sequences): fewer partials to merge; finer spans balanced no better.
-        return {"threads": min(256, target.max_threads_per_block), "chunk": 32, "splits": default_splits(target)}
+class BlockAttentionOp:
+    """What every block-attention rule shares (this module's, `attention_mma.py`'s and
+    `attention_wgmma.py`'s): the `block_attention` node it takes, as a BlockAttentionSpec, and the one layer
+    of the cache each call reads."""
 
     def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
         if isinstance(subject, BlockAttentionSpec):
@@ -894,6 +883,23 @@ class AttentionRule(FamilyRule):
 
     def views(self, op: OpInstance) -> dict[str, tuple[int, ...]]:
         return {"kv": (int(op.attr("layer")),)}
+
+
+class AttentionRule(BlockAttentionOp, FamilyRule):
+    """`block_attention` nodes over a bf16 paged cache (or a BlockAttentionSpec).
+
+    Knobs: `threads` per block (both kernels), `chunk` keys staged per step (a power of two), `splits`
+    (thread blocks one (sequence, kv head) is split across; spans adapt to each length).
+    """
+
+    name = "block_attention"
+    knob_names = ("threads", "chunk", "splits")
+
+    def default_knobs(self, target: Target) -> dict[str, int]:
+        # 256 threads: 8 warps cover a 64 x 32 score tile at 8 scores per thread. Chunk 32 fits sm_120's
+        # 99 KiB with f32 staging (64 was slower on an H200). On an H200 16 splits beat 32 (74 vs 81 us
+        # at 4096 keys, 162 vs 188 us for 8 sequences): fewer partials to merge; finer spans balanced no better.
+        return {"threads": min(256, target.max_threads_per_block), "chunk": 32, "splits": default_splits(target)}
 
     def schedule(self, spec: BlockAttentionSpec, target: Target, knobs: Mapping[str, int]) -> Any:
         layout = fit_layout(spec, target, knobs["threads"], knobs["chunk"], knobs["splits"])

@@ -52,14 +52,14 @@ from dflash_compiler.targets import Target
 
 from .attention import (
     DTYPE,
-    AttentionRule,
+    BlockAttentionOp,
     BlockAttentionSpec,
     _visible,
     attention_prim_func,
     default_splits,
     split_span_macro,
 )
-from .base import FamilyRule, Kernel, OpInstance, ScheduleError
+from .base import FamilyRule, Kernel, ScheduleError
 from .mma import mma_m16n8k16
 
 WARP = 32
@@ -618,7 +618,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     return attention_prim_func(spec, splits, CHUNK, True, split, plan.slots).with_attr("tirx.is_scheduled", True)
 
 
-class AttentionMmaRule(FamilyRule):
+class AttentionMmaRule(BlockAttentionOp, FamilyRule):
     """`block_attention` on tensor cores where `mma_attention_fits` (else the SIMT AttentionRule takes it).
 
     Knobs: `splits`, thread blocks one (sequence, kv head) is split across at most (spans adapt to each
@@ -664,12 +664,6 @@ class AttentionMmaRule(FamilyRule):
             "stages": 0,
             "prefetch": 2,
         }
-
-    def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
-        return AttentionRule().spec_of(subject)
-
-    def views(self, op: OpInstance) -> dict[str, tuple[int, ...]]:
-        return AttentionRule().views(op)
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)

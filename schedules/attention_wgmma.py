@@ -56,13 +56,13 @@ from dflash_compiler.wgmma import (
 
 from .attention import (
     DTYPE,
-    AttentionRule,
+    BlockAttentionOp,
     BlockAttentionSpec,
     attention_prim_func,
     default_splits,
 )
 from .attention_mma import _NEG, CHUNK, LINE_ELEMENTS, locate_macro, row_sums_macro, softmax_macro
-from .base import FamilyRule, Kernel, OpInstance, ScheduleError
+from .base import FamilyRule, Kernel, ScheduleError
 
 WARP = 32
 WARPGROUP = 4 * WARP
@@ -335,7 +335,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
     return attention_prim_func(spec, splits, CHUNK, True, split, plan.slots).with_attr("tirx.is_scheduled", True)
 
 
-class AttentionWgmmaRule(FamilyRule):
+class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     """`block_attention` on warpgroup MMAs where `wgmma_attention_fits` (else the mma.sync rule takes it).
 
     Knobs (as the mma rule's): `splits`, thread blocks one (sequence, kv head) is split across at most;
@@ -361,12 +361,6 @@ class AttentionWgmmaRule(FamilyRule):
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {"splits": default_splits(target), "slots": 2 * target.sm_count, "prefetch": 2, "stages": DEFAULT_STAGES}
-
-    def spec_of(self, subject: Any) -> BlockAttentionSpec | None:
-        return AttentionRule().spec_of(subject)
-
-    def views(self, op: OpInstance) -> dict[str, tuple[int, ...]]:
-        return AttentionRule().views(op)
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)
