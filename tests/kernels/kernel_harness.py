@@ -11,8 +11,16 @@ from functools import cache
 
 import numpy as np
 
+from dflash_compiler.schedules.attention import BlockAttentionSpec
 from dflash_compiler.schedules.base import KernelSpec
 from dflash_compiler.schedules.check import mismatches
+
+# block-attention shapes the tensor-core attention tests (mma.sync and warpgroup) share
+QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
+DFLASH2_SWA = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False, window=2048)
+# 7 block rows x 4 heads = 28 query rows per kv head: a ragged last warp (mma.sync), 28 of a warpgroup's 64
+DSPARK = BlockAttentionSpec(block=7, heads=32, kv_heads=8, head_dim=128, causal=False)
+SMALL = BlockAttentionSpec(block=8, heads=8, kv_heads=8, head_dim=64, causal=True, window=24)  # 8 rows, no GQA
 
 
 @cache

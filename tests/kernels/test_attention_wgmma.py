@@ -31,14 +31,16 @@ from dflash_compiler.targets import SM90, SM120, SM121
 
 tvm = pytest.importorskip("tvm")
 
-from kernel_harness import assert_split_waits_and_merge_triggers  # noqa: E402
+from kernel_harness import (  # noqa: E402
+    DFLASH2_SWA,
+    DSPARK,
+    QWEN3_8B,
+    SMALL,
+    assert_split_waits_and_merge_triggers,
+)
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
-QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
-DFLASH2_SWA = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False, window=2048)
-DSPARK = BlockAttentionSpec(block=7, heads=32, kv_heads=8, head_dim=128, causal=False)  # 28 of 64 rows
-SMALL = BlockAttentionSpec(block=8, heads=8, kv_heads=8, head_dim=64, causal=True, window=24)  # 8 rows, no GQA
 WIDE_GROUP = BlockAttentionSpec(block=16, heads=40, kv_heads=8, head_dim=128, causal=False)  # 80 rows
 
 
