@@ -242,11 +242,10 @@ class LinearMmaRule(FamilyRule):
     other GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x
     per block, that many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k
-    split), whose weight
-    stream is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`,
-    `unroll`, `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and `gemv_tiled_k_warps`
-    are upper bounds: the largest values that divide the k steps evenly are used, and the Kernel reports
-    the values used.
+    split), whose weight stream is in flight in shared memory rather than in registers; 0 keeps them on
+    GEMV mode. `warps`, `unroll`, `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and
+    `gemv_tiled_k_warps` are upper bounds: the largest values that divide the k steps evenly are used, and
+    the Kernel reports the values used.
     """
 
     name = "linear_mma"
