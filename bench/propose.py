@@ -425,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
             f"load: {bare_s:.2f} s with every weight borrowed; {full_s:.2f} s reading and uploading {weight_gb:.2f} GB"
         )
         results["load"][variant] = {"borrowed_weights_s": bare_s, "with_weights_s": full_s, "weights_gb": weight_gb}
-        for nb in BATCHES:
+        for nb in args.batches:
             rng = np.random.default_rng(nb)
             _fill(drafter, nb, int(drafter.phases["append_context"].plan.values["taps"].shape[1]), rng)
             ours = _ours(drafter, nb, rng, timeline=nb in args.timeline)
@@ -499,6 +499,15 @@ def main() -> int:
     r.add_argument("bundle")
     r.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    r.add_argument(
+        "--batches",
+        nargs="*",
+        type=int,
+        default=list(BATCHES),
+        choices=BATCHES,
+        metavar="NB",
+        help="measure these nb only",
+    )
     r.add_argument(
         "--timeline",
         nargs="*",

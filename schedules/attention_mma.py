@@ -57,6 +57,7 @@ from .attention import (
     _visible,
     attention_prim_func,
     default_splits,
+    span_count,
     split_span_macro,
 )
 from .base import FamilyRule, Kernel, ScheduleError
@@ -458,7 +459,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
     def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
         for s in T.thread_binding(nb, thread="blockIdx.z"):
             for g in T.thread_binding(hkv, thread="blockIdx.y"):
-                for p in T.thread_binding(splits, thread="blockIdx.x"):
+                for p in T.thread_binding(span_count(spec, splits, plan.slots, nb), thread="blockIdx.x"):
                     for ty in T.thread_binding(warps * kw, thread="threadIdx.y"):
                         for lane in T.thread_binding(WARP, thread="threadIdx.x"):
                             with T.sblock("split"):

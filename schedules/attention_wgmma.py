@@ -60,6 +60,7 @@ from .attention import (
     BlockAttentionSpec,
     attention_prim_func,
     default_splits,
+    span_count,
 )
 from .attention_mma import _NEG, CHUNK, LINE_ELEMENTS, locate_macro, row_sums_macro, softmax_macro
 from .base import FamilyRule, Kernel, ScheduleError
@@ -213,7 +214,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
     def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
         for s in T.thread_binding(nb, thread="blockIdx.z"):
             for g in T.thread_binding(hkv, thread="blockIdx.y"):
-                for p in T.thread_binding(splits, thread="blockIdx.x"):
+                for p in T.thread_binding(span_count(spec, splits, plan.slots, nb), thread="blockIdx.x"):
                     for ty in T.thread_binding(4, thread="threadIdx.y"):
                         for lane in T.thread_binding(WARP, thread="threadIdx.x"):
                             with T.sblock("split"):

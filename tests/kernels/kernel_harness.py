@@ -119,6 +119,16 @@ def assert_split_waits_and_merge_triggers(source: str, split: str, merge: str, p
     assert bodies[merge].split("\n")[1:3] == [f"  {WAIT}();", f"  {LAUNCH_DEPENDENTS}();"], merge
 
 
+def assert_split_grid_is_the_used_spans(split, spec, splits: int, slots: int, env: Mapping[str, int]) -> None:
+    """The split kernel's grid is (used spans, kv heads, sequences) at several batch sizes: `splits`, or with
+    `slots` the spans `slots // (nb · kv_heads)` a batch uses, at least one and at most `splits`; never a
+    block that would only exit."""
+    for nb in (1, 3, 8, 16):
+        used = splits if slots == 0 else max(1, min(splits, slots // (nb * spec.kv_heads)))
+        grid, _, _ = split.launch_dims({**env, "nb": nb, "m": nb * spec.block})
+        assert grid == (used, spec.kv_heads, nb), (nb, grid, used)
+
+
 def lowered_per_target(rule, cases):
     """`get(target)`: the CUDA module of `rule` applied to every `(spec, knobs, ...)` case, lowered once per target."""
     import tvm

@@ -32,7 +32,11 @@ from dflash_compiler.targets import SM90, SM121
 tvm = pytest.importorskip("tvm")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from kernel_harness import assert_spec_matches_numpy, assert_split_waits_and_merge_triggers  # noqa: E402
+from kernel_harness import (  # noqa: E402
+    assert_spec_matches_numpy,
+    assert_split_grid_is_the_used_spans,
+    assert_split_waits_and_merge_triggers,
+)
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 from dflash_compiler.schedules.attention import attention_func  # noqa: E402
@@ -341,7 +345,8 @@ def test_two_kernels_with_workspaces_and_sane_launches(lowered, target):
         assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
         split, merge = func.kernels
         grid, block, smem = split.launch_dims(env)
-        assert grid == (splits, spec.kv_heads, 3) and block == (threads, 1, 1)
+        assert block == (threads, 1, 1)
+        assert_split_grid_is_the_used_spans(split, spec, splits, fit_layout(spec, target, **kernel.knobs).slots, env)
         assert 0 < smem <= target.max_shared_memory_per_block
         grid, block, smem = merge.launch_dims(env)
         per_block, merge_threads = merge_blocking(spec)
