@@ -351,7 +351,10 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     * a three-slot cp.async ring (128 registers instead of 201): 281.6 µs; 0.986 / 1.313 / 1.533 / 2.533;
     * four slots (one block per SM): 354.3 µs; 0.985 / 1.338 / 1.585 / 2.602;
     * three slots, `slots` 2 blocks per SM (one wave of 4 splits at nb = 8, 8 at nb = 4): 277.7 µs, merge
-      42.0 against 46.6; 0.982 / 1.262 / 1.501 / 2.501, the default.
+      42.0 against 46.6; 0.982 / 1.262 / 1.501 / 2.501, the default;
+    * the same with the grid along the splits cut to the spans a batch uses (`span_count`; before, 3 of 4
+      blocks at nb = 8 only exited, and went through the SMs ahead of the used ones): 212.5 µs against
+      273.0; 0.964 / 1.251 / 1.441 / 2.352 against 0.966 / 1.255 / 1.475 / 2.462 in the same run.
     One sequence keeps its 16 splits (8 × 16 blocks): 9.1 µs per layer against 14.7 for the mma kernel.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
