@@ -15,8 +15,9 @@ events), the PyTorch peer (static cache, fused projections, SDPA, the whole step
 roofline (bytes one step must read ÷ the device-to-device copy bandwidth measured in the same run). It
 prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per nb, a per-kernel breakdown
 of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when each kernel of one
-replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two bundles). Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its
-drafts are not compared.
+replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two bundles).
+Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its drafts are not
+compared.
 """
 
 from __future__ import annotations
