@@ -4,7 +4,7 @@ The SIMT split kernel spends ~70 µs per layer on an H200 on the FMAs of Q·Kᵀ
 16 block rows × 32 heads against 4096 cached keys, while the K/V bytes take ~4 µs: the work is compute-bound
 on CUDA cores. Here each warp owns 16 query rows of one (sequence, kv head) and runs both products as
 m16n8k16 mmas, flash-attention style; the splits, their spans and the log-sum-exp merge kernel are the ones
-of `attention.py`, so the two kernels write the same partial results.
+of `attention_merge.py`, so the kernels write the same partial results.
 
 Thread block = (split, kv head, sequence), `warps` = ceil(block·group / 16) warps (times `key_warps`, see
 the rule); row r of the block's query rows is (block row r // group, head r % group of the kv head's group),
@@ -50,22 +50,13 @@ from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
 from dflash_compiler.fast_exp2 import EXP2
 from dflash_compiler.targets import Target
 
-from .attention import (
-    DTYPE,
-    BlockAttentionOp,
-    BlockAttentionSpec,
-    _visible,
-    attention_prim_func,
-    default_splits,
-    span_count,
-    split_span_macro,
-)
+from .attention import BlockAttentionOp, BlockAttentionSpec, _visible, default_splits
+from .attention_merge import DTYPE, NEG, attention_prim_func, span_count, split_span_macro
 from .base import FamilyRule, Kernel, ScheduleError
 from .mma import mma_m16n8k16
 
 WARP = 32
 CHUNK = 16  # keys per chunk: the k of the P·V mma, two n-tiles of the Q·Kᵀ mma
-_NEG = -3.0e38  # as in attention.py: finite, so exp2 and max never see NaN
 LINE_ELEMENTS = 64  # bf16 elements of a 128-byte cache line
 _PAD = 8  # bf16 elements of padding per staged K/V row where the rows are not swizzled (head_dim 32, 96)
 
@@ -218,7 +209,7 @@ def softmax_macro(spec: BlockAttentionSpec, nts: int) -> Any:
 
     blk, dts = spec.block, spec.head_dim // 8
     q_scale = math.log2(math.e) / math.sqrt(spec.head_dim)
-    floor = _NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
+    floor = NEG * q_scale * 0.5  # above a hidden key's scaled score, below every real one
     masked = spec.causal or spec.window is not None
     full = T.uint32(0xFFFFFFFF)
 
@@ -228,7 +219,7 @@ def softmax_macro(spec: BlockAttentionSpec, nts: int) -> Any:
     @T.macro
     def softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n, k0, end, gq, tq):
         # raw scores; accumulator e of n-tile nt: row gq + 8·(e // 2), key k0 + 8·nt + 2·tq + e % 2. Hidden
-        # keys score _NEG; without a mask only the split's last step holds keys past its end, so only a
+        # keys score NEG; without a mask only the split's last step holds keys past its end, so only a
         # step that reaches past `end` compares keys (a branch the whole block takes alike)
         if masked:
             for nt in T.unroll(nts):
@@ -246,16 +237,16 @@ def softmax_macro(spec: BlockAttentionSpec, nts: int) -> Any:
                             ),
                         ),
                         sacc[nt * 4 + e],
-                        T.float32(_NEG),
+                        T.float32(NEG),
                     )
         elif k0 + nts * 8 > end:
             for nt in T.unroll(nts):
                 for e in T.unroll(4):
                     key = T.meta_var(k0 + nt * 8 + tq * 2 + e % 2)
-                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(_NEG))
+                    sacc[nt * 4 + e] = T.if_then_else(key < end, sacc[nt * 4 + e], T.float32(NEG))
         # online softmax in base 2: the running max m_run is in scaled units (q_scale > 0 keeps the raw
         # order), a weight is 2^(raw · q_scale - max), one FFMA and one ex2. A row that has seen only hidden
-        # keys has max _NEG · q_scale; its weights are taken against `floor` instead, so they are 0, not 1
+        # keys has max NEG · q_scale; its weights are taken against `floor` instead, so they are 0, not 1
         for h in T.unroll(2):
             stat[h] = T.max(sacc[h * 2], sacc[h * 2 + 1])
             for nt in T.unroll(1, nts):
@@ -528,7 +519,7 @@ def attention_mma_func(spec: BlockAttentionSpec, plan: MmaAttentionPlan) -> Any:
                                                 for e in T.unroll(2):
                                                     qf[(st * 2 + j) * 8 + hi * 4 + h * 2 + e] = ql[4 * j + hi * 2 + e]
                                 for h in T.unroll(2):
-                                    m_run[h] = T.float32(_NEG)
+                                    m_run[h] = T.float32(NEG)
                                     l_run[h] = T.float32(0)
                                 for i in T.unroll(vcols * 4):
                                     oacc[i] = T.float32(0)

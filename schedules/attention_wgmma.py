@@ -30,7 +30,7 @@ staging through registers). Per group a thread waits for its own copies of the g
 to the async proxy (`fence.proxy.async`), and a block barrier makes everyone's visible and ends every read
 of the slot the next copies refill (the group before's wgmmas, waited for). Keys past the split's end read
 its last key and score -inf, as do keys a mask hides. The splits, their spans and the partial results are
-the mma kernel's (`attention_prim_func`), so `attention.py`'s merge kernel serves both. Before the wait
+the mma kernel's (`attention_prim_func`), so `attention_merge.py`'s merge kernel serves both. Before the wait
 for inputs the first `prefetch` groups' cached K/V lines are prefetched into L2, from the host-written
 lengths and tables.
 """
@@ -54,15 +54,9 @@ from dflash_compiler.wgmma import (
     wait_name,
 )
 
-from .attention import (
-    DTYPE,
-    BlockAttentionOp,
-    BlockAttentionSpec,
-    attention_prim_func,
-    default_splits,
-    span_count,
-)
-from .attention_mma import _NEG, CHUNK, LINE_ELEMENTS, locate_macro, row_sums_macro, softmax_macro
+from .attention import BlockAttentionOp, BlockAttentionSpec, default_splits
+from .attention_merge import DTYPE, NEG, attention_prim_func, span_count
+from .attention_mma import CHUNK, LINE_ELEMENTS, locate_macro, row_sums_macro, softmax_macro
 from .base import FamilyRule, Kernel, ScheduleError
 
 WARP = 32
@@ -265,7 +259,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                         ]
                                 for h in T.unroll(2):
                                     q_at[h] = blk_positions[s * blk + T.min(ty * 16 + h * 8 + gq, rows - 1) // group]
-                                    m_run[h] = T.float32(_NEG)
+                                    m_run[h] = T.float32(NEG)
                                     l_run[h] = T.float32(0)
                                 for i in T.unroll(4 * dts):
                                     oacc[i] = T.float32(0)

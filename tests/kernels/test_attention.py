@@ -17,14 +17,8 @@ import pytest
 
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
-from dflash_compiler.schedules.attention import (
-    MERGE_ELEMENTS,
-    AttentionLayout,
-    AttentionRule,
-    BlockAttentionSpec,
-    fit_layout,
-    merge_blocking,
-)
+from dflash_compiler.schedules.attention import AttentionLayout, AttentionRule, BlockAttentionSpec, fit_layout
+from dflash_compiler.schedules.attention_merge import MERGE_ELEMENTS, merge_blocking
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
 from dflash_compiler.schedules.check import mismatches
 from dflash_compiler.targets import SM90, SM121

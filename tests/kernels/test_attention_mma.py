@@ -16,7 +16,8 @@ import pytest
 
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules import RULES, apply_rules
-from dflash_compiler.schedules.attention import BlockAttentionSpec, merge_blocking
+from dflash_compiler.schedules.attention import BlockAttentionSpec
+from dflash_compiler.schedules.attention_merge import merge_blocking
 from dflash_compiler.schedules.attention_mma import (
     AttentionMmaRule,
     MmaAttentionPlan,

@@ -1,0 +1,228 @@
+"""The two-kernel skeleton every block-attention rule builds on (`attention.py`'s SIMT kernel,
+`attention_mma.py`'s and `attention_wgmma.py`'s): the spans a batch's splits cover, the merge kernel that
+adds the splits' partial results with their log-sum-exp weights, and the PrimFunc holding both kernels, its
+parameters and the workspaces between them. A rule supplies the split kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .attention import BlockAttentionSpec
+
+DTYPE = "bfloat16"
+NEG = -3.0e38  # "no score yet": finite, so exp2(NEG - max) is 0 and max(NEG, x) is x, never NaN
+MERGE_ELEMENTS = 4  # outputs per thread of the merge kernel (merge_macro says why four)
+MERGE_WIDTHS = (4, 8)  # the merge's narrower passes, for batches that use that few splits (merge_macro)
+
+
+def span_count(spec: BlockAttentionSpec, splits: int, slots: int, nb: Any) -> Any:
+    """The spans each (sequence, kv head) of a batch of `nb` sequences is cut into: `splits`, or with `slots`
+    > 0 `slots // (nb · kv_heads)` clamped to [1, splits] (`split_span_macro`). It is also the split kernels'
+    grid along the splits: a block past it would only exit, and at nb = 8 on the H200 (4 of 16 splits used)
+    the 768 such blocks of a layer went through the SMs mixed in with the 256 used ones (Nsight Compute: SMs
+    active 70 % of the kernel's cycles)."""
+    from tvm.script import tirx as T
+
+    return splits if slots <= 0 else T.max(1, T.min(splits, slots // (nb * spec.kv_heads)))
+
+
+def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: int = 0) -> Any:
+    """`split_span(span, s, n, blk_positions, nb)`: span[0] = the first key any query of sequence s can see
+    (a window hides older cached rows), span[1] = keys per split: the rest of the keys in equal spans,
+    multiples of `chunk`. The split kernels and the merge must agree on it.
+
+    With `slots` > 0 (the grid, in blocks, a batch aims at) a batch of `nb` sequences cuts each (sequence,
+    kv head) into only `slots // (nb · kv_heads)` spans (at least 1, at most `splits`): a larger batch keeps
+    about the same grid and writes and merges fewer partial rows instead of more; the split kernels launch
+    only those spans (`span_count`)."""
+    from tvm.script import tirx as T
+
+    blk, window = spec.block, spec.window
+
+    @T.macro
+    def split_span(span: Any, s: Any, n: Any, blk_positions: Any, nb: Any) -> None:
+        span[0] = 0
+        if window is not None:
+            span[0] = blk_positions[s * blk]
+            for i in T.serial(1, blk):
+                span[0] = T.min(span[0], blk_positions[s * blk + i])
+            span[0] = T.max(0, T.min(n, span[0] - window + 1))
+        span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], span_count(spec, splits, slots, nb)), chunk) * chunk
+
+    return split_span
+
+
+def merge_blocking(spec: BlockAttentionSpec) -> tuple[int, int]:
+    """(heads per thread block, threads) of the merge kernel: one thread per MERGE_ELEMENTS outputs of a
+    head's row, about 128 threads per block."""
+    vecs = spec.head_dim // MERGE_ELEMENTS
+    per_block = max(h for h in range(1, spec.heads + 1) if spec.heads % h == 0 and h * vecs <= max(128, vecs))
+    return per_block, per_block * vecs
+
+
+def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, slots: int = 0) -> Any:
+    """`merge(part_o, part_ml, cache_lens, blk_positions, out, nb)`: the second kernel, merging the splits'
+    unnormalised outputs `part_o[nb, kv_heads, splits, rows, dim]` with their log-sum-exp weights from
+    `part_ml[..., (max, sum)]` (base 2) and writing bf16 `out`.
+
+    One thread per MERGE_ELEMENTS outputs of a (block row, head): a thread block covers a few heads of one
+    block row, so a step of one sequence has hundreds of blocks. One output per thread (four times the
+    threads, each repeating the splits' (max, sum) loads and exp2) took 6.9 against 8.1 µs for one sequence
+    on an H200 but 29.4 against 22.8 µs per layer for 16 sequences.
+
+    The splits go in passes of up to 16: a pass first loads every split's (max, sum) and outputs into
+    registers, unconditionally, splits past the used ones reading the last used one again (a cache hit; a
+    batch that uses a quarter of the splits would otherwise read four times the partial sums from DRAM), and
+    only then applies the guard "this split saw keys" to the values, as selects. Loads behind a per-split
+    branch went out one split at a time, a round trip each: 11.3 µs for one sequence of 4096 keys on an
+    H200 (Nsight Compute), 8.1 µs now. A batch whose `slots` leave it at most 4 or 8 used splits takes one
+    pass of that width instead (a runtime branch to a copy of the pass), so it does not load and weigh the
+    clamped duplicates of a 16-wide pass."""
+    from tvm.script import tirx as T
+
+    blk, heads, dim, group = spec.block, spec.heads, spec.head_dim, spec.group
+    vecs, per = dim // MERGE_ELEMENTS, MERGE_ELEMENTS
+    per_block, mt = merge_blocking(spec)
+    unroll = min(splits, 16)
+    passes = -(-splits // unroll)
+    local = "local" if device else "global"
+    split_span = split_span_macro(spec, splits, chunk, slots)
+
+    def grid(n: Any, tag: str) -> Any:
+        return T.thread_binding(n, thread=tag) if device else T.serial(n)
+
+    def lanes(n: int) -> Any:
+        return T.thread_binding(n, thread="threadIdx.x") if device else T.serial(n)
+
+    def combine_macro(width: int, rounds: int) -> Any:
+        """Splits [0, width · rounds) in `rounds` passes of `width`: the running max first, then the weighted
+        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing."""
+
+        @T.macro
+        def combine(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
+            mstat[t, 0] = T.float32(NEG)
+            for sp0 in T.serial(rounds):
+                for u in T.unroll(width):
+                    ml[t, u, 0] = part_ml[s, kvh, T.min(sp0 * width + u, used[0] - 1), r, 0]
+                for u in T.unroll(width):
+                    mstat[t, 0] = T.max(
+                        mstat[t, 0],
+                        T.Select(sp0 * width + u < used[0], ml[t, u, 0], T.float32(NEG)),
+                    )
+            mstat[t, 1] = T.float32(0)
+            for x in T.unroll(per):
+                macc[t, x] = T.float32(0)
+            for sp0 in T.serial(rounds):
+                for u in T.unroll(width):
+                    sp = T.meta_var(T.min(sp0 * width + u, used[0] - 1))
+                    for j in T.unroll(2):
+                        ml[t, u, j] = part_ml[s, kvh, sp, r, j]
+                    # scalar loads: a float4 access would retype the workspace
+                    for x in T.unroll(per):
+                        po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
+                for u in T.unroll(width):
+                    # an unused split's slot holds anything, NaN included: select, never scale
+                    ok = T.meta_var(sp0 * width + u < used[0])
+                    mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(NEG)) - mstat[t, 0])
+                    mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
+                    for x in T.unroll(per):
+                        macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
+
+        return combine
+
+    # a batch that uses few of the splits (`slots`) takes the narrowest pass that holds them
+    narrow = sorted(w for w in MERGE_WIDTHS if w < unroll)
+    every = combine_macro(unroll, passes)
+    first = combine_macro(narrow[0], 1) if narrow else every
+    second = combine_macro(narrow[1], 1) if len(narrow) > 1 else every
+
+    @T.macro
+    def merge(part_o: Any, part_ml: Any, cache_lens: Any, blk_positions: Any, out: Any, nb: Any) -> None:
+        for s in grid(nb, "blockIdx.z"):
+            for i in grid(blk, "blockIdx.y"):
+                for hb in grid(heads // per_block, "blockIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        used = T.sblock_alloc_buffer((2,), "int32", scope=local)
+                        mstat = T.sblock_alloc_buffer((mt, 3), "float32", scope=local)  # max, sum, weight
+                        macc = T.sblock_alloc_buffer((mt, per), "float32", scope=local)
+                        # one pass's loads: (max, sum) and the thread's outputs of every split of the pass
+                        ml = T.sblock_alloc_buffer((mt, unroll, 2), "float32", scope=local)
+                        po = T.sblock_alloc_buffer((mt, unroll, per), "float32", scope=local)
+                        # only the first ceil(keys / span) splits saw keys
+                        split_span(used, s, cache_lens[s], blk_positions, nb)
+                        used[0] = T.ceildiv(cache_lens[s] + blk - used[0], used[1])
+                        for t in lanes(mt):
+                            hd = T.meta_var(hb * per_block + t // vecs)
+                            kvh = T.meta_var(hd // group)
+                            r = T.meta_var(i * group + hd % group)
+                            d0 = T.meta_var(t % vecs * per)
+                            if len(narrow) == 2:
+                                if used[0] <= narrow[0]:
+                                    first(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                                elif used[0] <= narrow[1]:
+                                    second(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                                else:
+                                    every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                            elif len(narrow) == 1:
+                                if used[0] <= narrow[0]:
+                                    first(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                                else:
+                                    every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                            else:
+                                every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                            mstat[t, 2] = T.if_then_else(
+                                mstat[t, 1] > T.float32(0), T.float32(1) / mstat[t, 1], T.float32(0)
+                            )
+                            for x in T.unroll(per):
+                                out[s * blk + i, hd * dim + d0 + x] = T.Cast(DTYPE, macc[t, x] * mstat[t, 2])
+
+    return merge
+
+
+def attention_prim_func(
+    spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, split: Any, slots: int = 0
+) -> Any:
+    """The block-attention PrimFunc both kernels share: the parameters, the host workspaces between the two
+    kernels (unnormalised outputs and (max, sum) per split), the split kernel `split(q, k, v, kv, block_table,
+    cache_lens, blk_positions, part_o, part_ml, nb)` and the merge kernel. The splits' spans are cut in
+    multiples of `chunk` keys, `slots` as `split_span_macro` says."""
+    from tvm.script import tirx as T
+
+    heads, hkv, dim, page = spec.heads, spec.kv_heads, spec.head_dim, spec.page_size
+    rows = spec.block * spec.group
+    merge = merge_macro(spec, splits, chunk, device, slots)
+
+    @T.prim_func(s_tir=True)
+    def attention(
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        kv_h: T.handle,
+        table_h: T.handle,
+        lens_h: T.handle,
+        pos_h: T.handle,
+        out_h: T.handle,
+    ) -> None:
+        T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+        m = T.int32()
+        pages = T.int32()
+        nb = T.int32()
+        maxp = T.int32()
+        q = T.match_buffer(q_h, (m, heads * dim), DTYPE)
+        k = T.match_buffer(k_h, (m, hkv * dim), DTYPE)
+        v = T.match_buffer(v_h, (m, hkv * dim), DTYPE)
+        kv = T.match_buffer(kv_h, (2, pages, page, hkv, dim), DTYPE)
+        block_table = T.match_buffer(table_h, (nb, maxp), "int32")
+        cache_lens = T.match_buffer(lens_h, (nb,), "int32")
+        blk_positions = T.match_buffer(pos_h, (m,), "int32")
+        out = T.match_buffer(out_h, (m, heads * dim), DTYPE)
+        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
+        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
+        split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb)
+        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
+
+    return attention
