@@ -347,7 +347,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     * three slots, `slots` 2 blocks per SM (one wave of 4 splits at nb = 8, 8 at nb = 4): 277.7 µs, merge
       42.0 against 46.6; 0.982 / 1.262 / 1.501 / 2.501, the default;
     * the same with the grid along the splits cut to the spans a batch uses (`span_count`; before, 3 of 4
-      blocks at nb = 8 only exited, and went through the SMs ahead of the used ones): 212.5 µs against
+      blocks at nb = 8 only exited, and went through the SMs mixed in with the used ones): 212.5 µs against
       273.0; 0.964 / 1.251 / 1.441 / 2.352 against 0.966 / 1.255 / 1.475 / 2.462 in the same run.
     One sequence keeps its 16 splits (8 × 16 blocks): 9.1 µs per layer against 14.7 for the mma kernel.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that

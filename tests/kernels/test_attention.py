@@ -338,7 +338,7 @@ def test_two_kernels_with_workspaces_and_sane_launches(lowered, target):
         sizes = [int(np.prod([evaluate(d, env) for d in w.shape])) for w in func.workspaces]
         assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
         split, merge = func.kernels
-        grid, block, smem = split.launch_dims(env)
+        _, block, smem = split.launch_dims(env)
         assert block == (threads, 1, 1)
         assert_split_grid_is_the_used_spans(split, spec, splits, fit_layout(spec, target, **kernel.knobs).slots, env)
         assert 0 < smem <= target.max_shared_memory_per_block

@@ -136,7 +136,7 @@ def test_kernel_table(lowered, target):
         sizes = [int(np.prod([evaluate(d, env) for d in w.shape])) for w in func.workspaces]
         assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
         split, merge = func.kernels
-        grid, block, smem = split.launch_dims(env)
+        _, block, smem = split.launch_dims(env)
         assert block == (32, warps * kernel.knobs["key_warps"], 1)
         assert_split_grid_is_the_used_spans(split, spec, splits, kernel.knobs["slots"], env)
         plan = fit_mma_attention(spec, target, splits, key_warps=kernel.knobs["key_warps"],

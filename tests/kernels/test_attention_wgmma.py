@@ -139,7 +139,7 @@ def test_kernel_table(lowered):
         sizes = [int(np.prod([evaluate(d, env) for d in w.shape])) for w in func.workspaces]
         assert sizes == [3 * spec.kv_heads * splits * rows * spec.head_dim, 3 * spec.kv_heads * splits * rows * 2]
         split, merge = func.kernels
-        grid, block, smem = split.launch_dims(env)
+        _, block, smem = split.launch_dims(env)
         plan = fit_wgmma_attention(spec, SM90, splits, stages=knobs["stages"])
         assert block == (32, 4, 1) and smem == plan.shared_bytes(spec)
         assert_split_grid_is_the_used_spans(split, spec, splits, knobs["slots"], env)
