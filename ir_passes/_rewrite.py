@@ -6,7 +6,7 @@ position in insertion order) so golden dumps show only what a pass changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -154,3 +154,22 @@ def sibling_name(name: str, leaf: str) -> str:
 
 
 # the pass ------------------------------------------------------------------------------------------------
+
+
+def fuse_into_sole_reader(
+    graph: Graph, producer: Op, reader: Op, arg: int, make: Callable[[Node, Node], Node]
+) -> Graph:
+    """Every ``producer`` node whose one output is read by exactly one node, a ``reader`` at argument
+    ``arg``, merged with it: ``make(producer node, reader node)`` under the reader's name (its readers are
+    untouched), reading the producer's inputs and then the reader's other arguments; the producer is gone.
+    Returns a new graph in ``graph``'s node order."""
+    out = graph.copy()
+    for name, node in graph.nodes_of(producer):
+        readers = out.users(Ref(name)) if len(node.outputs) == 1 else []
+        if len(readers) != 1 or readers[0][1] != arg or out.node(readers[0][0]).op is not reader:
+            continue
+        target = readers[0][0]
+        rest = [ref for i, ref in enumerate(out.inputs(target)) if i != arg]
+        replace_node(out, target, make(node, out.node(target)), [*out.inputs(name), *rest])
+        out.remove([name])
+    return in_original_order(out, graph, {})

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 
+from .linear_argmax import pick_macro, pick_merge_macro
 from .mma import a_fragments_macro, mma_m16n8k16
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     a_fragments = a_fragments_macro(fp8, n_tiles, mps)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
+    picks = spec.picks
+    pick, pick_merge = pick_macro(spec, plan), pick_merge_macro(spec, plan)
 
     def swizzle(chunk: Any, row: Any, per_lane: int, chunks: int) -> Any:
         # eight lanes read rows r, r + 1 (r even), four chunks each (`per_lane` apart); rows of 128 bytes or
@@ -261,10 +264,14 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                         for j in T.unroll(k_warps - 1):
                                             for i in T.unroll(n_acc):
                                                 acc[i] = acc[i] + red[j, i, ty * WARP + tx]
-                                if kw == 0:
+                                if picks:
+                                    pick(scale, part, m, acc, smem, bm, bn, wn, wm, tx // 4, tx % 4, tid, kw == 0)
+                                elif kw == 0:
                                     store(scale, y, part, m, acc, bm, bn, ks, wn, wm, tx // 4, tx % 4)
         if k_splits > 1:
             merge(scale, y, part, m)
+        if picks:
+            pick_merge(part, y, m)
 
     return body
 

@@ -54,6 +54,7 @@ from dflash_compiler.wgmma import (
     wait_name,
 )
 
+from .linear_argmax import pick_macro, pick_merge_macro
 from .linear_tiled import merge_macro, store_macro
 
 if TYPE_CHECKING:
@@ -146,6 +147,8 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     mma, wait = mma_name(bm_rows), wait_name(bm_rows)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
+    picks = spec.picks
+    pick, pick_merge = pick_macro(spec, plan), pick_merge_macro(spec, plan)
 
     def w_column(c: Any, row: Any) -> Any:
         # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones
@@ -265,8 +268,13 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                         T.evaluate(T.call_extern("void", WAIT_PRIOR))
                                 if groups > 1:
                                     T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
-                                store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
+                                if picks:
+                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid, True)
+                                else:
+                                    store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
         if k_splits > 1:
             merge(scale, y, part, m)
+        if picks:
+            pick_merge(part, y, m)
 
     return body
