@@ -32,7 +32,7 @@ from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
 
-from .argmax import chunk_partials, coarse_bf16, default_chunk, index_of, merge_partials
+from .argmax import RANK_BASE, chunk_partials, coarse_bf16, default_chunk, index_of, merge_partials
 from .base import EXACT, FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError, Tolerance
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 from .linear_tiled import TILED_KNOBS, TiledPlan
@@ -84,6 +84,11 @@ class LinearSpec(KernelSpec):
         if self.picks != (self.out_dtype == I32) or self.out_dtype not in (BF16, F32, I32):
             expected = "int32 ids" if self.picks else "bfloat16 or float32"
             raise ScheduleError(f"linear: {self.op}'s output dtype must be {expected}, found {self.out_dtype}")
+        if self.picks and self.n >= RANK_BASE:
+            raise ScheduleError(
+                f"linear: {self.op} ranks ids as float32 (exact below 2^24), found n={self.n}. Fix: keep the lm_head "
+                "and its argmax apart (their kernels split the vocabulary)"
+            )
         if self.n * self.k >= 2**31:
             raise ScheduleError(
                 f"linear: the weight has {self.n * self.k} elements; the kernels index it with int32 (< 2^31). "

@@ -5,8 +5,9 @@ The GEMM kernels (`linear_tiled.py`, `linear_wgmma.py`) compute a `block_n × bl
 tile's logits of each row of x by ARGMAX's order (argmax.py: the larger value, then the lower vocabulary
 index) and writes the block's winner per row into a `[2, m, n_blocks]` float32 workspace (rank, value),
 and `pick_merge_macro`'s kernel, one block per row, picks each row's winner among its blocks' and writes
-its id. Both use the values the lm_head kernel would have stored, so the ids are ARGMAX's of its logits bit
-for bit; what goes is the logits' round trip through memory (`[m, vocab]` float32 written and read back).
+its id. Both use the values the lm_head kernel of the same plan would store (one k split), so the ids are
+ARGMAX's of those logits bit for bit; what goes is the logits' round trip through memory (`[m, vocab]`
+float32 written and read back). Ranks are float32 (argmax.py), so the vocabulary stays below 2^24.
 
 Within a block: a thread holds mma.sync's m16n8 accumulators (linear_tiled.store_macro): per 8-row x tile
 two x rows, each with two weight rows of every 16-row weight tile. It ranks its candidates per x row, the

@@ -64,6 +64,8 @@ def test_spec_is_lm_heads_inputs_and_one_id_per_row():
         LinearSpec("lm_head_argmax", VOCAB, HIDDEN, out_dtype="float32")
     with pytest.raises(ScheduleError, match="bfloat16 or float32"):
         LinearSpec("lm_head", VOCAB, HIDDEN, out_dtype=I32)
+    with pytest.raises(ScheduleError, match="exact below 2\\^24"):  # id 2^24 + 1 would round
+        LinearSpec("lm_head_argmax", 2**24 + 64, 64)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
