@@ -1,12 +1,14 @@
 """Linear layers: matmul, matmul_fp8 and lm_head, `y[i, j] = sum_k x[i, k] * W[j, k]` (times scale[j] for FP8),
-and lm_head_argmax, `ids[i] = argmax_j y[i, j]` (lowest j on ties) with y never stored.
+lm_head_argmax, `ids[i] = argmax_j y[i, j]` (lowest j on ties), and matmul_silu, silu(gate) · up of a gate|up
+projection whose weight rows alternate 8 gate and 8 up rows (`silu_out[i, c]` from y[i, 16 (c // 8) + c % 8]
+and y[i, 16 (c // 8) + 8 + c % 8]), y never stored for either.
 
 `x` is bf16 `[m, k]` with `m` rows symbolic (int32: block rows nb*blk, or context rows ctx), `W` is `[n, k]`
 bf16 or float8_e4m3fn (then a float32 per-output-row `scale[n]` follows it), the sum is f32, and `y` is bf16
-(matmul, matmul_fp8), float32 (lm_head logits) or int32 `[m]` (lm_head_argmax's ids). The numpy reference is
-the graph interpreter's.
+(matmul, matmul_fp8, matmul_silu), float32 (lm_head logits) or int32 `[m]` (lm_head_argmax's ids). The numpy
+reference is the graph interpreter's.
 
-Three rules:
+Four rules:
 
 * `LinearMmaRule` — the hot path: a tensor-core GEMV (`linear_mma.py`) that streams the weight once with
   16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension, and above
@@ -16,6 +18,7 @@ Three rules:
   with bf16 mma.
 * `LinearArgmaxRule` — lm_head_argmax: LinearMmaRule's small tiled kernel and GEMM with the argmax
   epilogue of `linear_argmax.py` instead of the store (the logits never reach memory).
+* `LinearSiluRule` — matmul_silu: the same kernels, whose store writes silu(gate) · up.
 * `LinearGemvRule` — the generic fallback (SIMT): one block per (column, group of rows), threads split k
   with vector loads and meet in a cross-thread reduction (TVM_NOTES §3b). Any n, k and m.
 """
@@ -46,9 +49,18 @@ _OPS = {
     Op.MATMUL_FP8.value: (FP8,),
     Op.LM_HEAD.value: (BF16, FP8),
     Op.LM_HEAD_ARGMAX.value: (BF16, FP8),
+    Op.MATMUL_SILU.value: (BF16, FP8),
 }
-_DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32, Op.LM_HEAD_ARGMAX.value: I32}
-_HEADS = (Op.LM_HEAD.value, Op.LM_HEAD_ARGMAX.value)  # their FP8 form keeps the op: named _fp8
+_DEFAULT_OUT = {
+    Op.MATMUL.value: BF16,
+    Op.MATMUL_FP8.value: BF16,
+    Op.LM_HEAD.value: F32,
+    Op.LM_HEAD_ARGMAX.value: I32,
+    Op.MATMUL_SILU.value: BF16,
+}
+# ops whose FP8 form keeps the op: named _fp8
+_FP8_NAMED = (Op.LM_HEAD.value, Op.LM_HEAD_ARGMAX.value, Op.MATMUL_SILU.value)
+SILU_GROUP = 8  # matmul_silu: gate and up rows interleaved 8 at a time (ir_passes/fuse_gate_up_silu.py)
 _OP_ATTR = "dflash.op"
 # the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
@@ -84,6 +96,11 @@ class LinearSpec(KernelSpec):
         if self.picks != (self.out_dtype == I32) or self.out_dtype not in (BF16, F32, I32):
             expected = "int32 ids" if self.picks else "bfloat16 or float32"
             raise ScheduleError(f"linear: {self.op}'s output dtype must be {expected}, found {self.out_dtype}")
+        if self.silu and (self.n % (2 * SILU_GROUP) or self.out_dtype != BF16):
+            raise ScheduleError(
+                f"linear: {self.op} takes gate|up rows interleaved {SILU_GROUP} at a time into bf16 outputs; found "
+                f"n={self.n} (expected a multiple of {2 * SILU_GROUP}), output {self.out_dtype}"
+            )
         if self.picks and self.n >= RANK_BASE:
             raise ScheduleError(
                 f"linear: {self.op} ranks ids as float32 (exact below 2^24), found n={self.n}. Fix: keep the lm_head "
@@ -95,7 +112,7 @@ class LinearSpec(KernelSpec):
                 "Fix: split the linear along n"
             )
         if not self.name:
-            fp8 = "_fp8" if self.op in _HEADS and self.fp8 else ""
+            fp8 = "_fp8" if self.op in _FP8_NAMED and self.fp8 else ""
             out = "" if self.out_dtype == _DEFAULT_OUT[self.op] else "_f32" if self.out_dtype == F32 else "_bf16"
             object.__setattr__(self, "name", f"{self.op}{fp8}_n{self.n}_k{self.k}{out}")
 
@@ -109,8 +126,18 @@ class LinearSpec(KernelSpec):
         return self.op == Op.LM_HEAD_ARGMAX.value
 
     @property
+    def silu(self) -> bool:
+        """The output is silu(gate) * up of the n outputs' interleaved gate and up rows (matmul_silu)."""
+        return self.op == Op.MATMUL_SILU.value
+
+    @property
+    def tiled_only(self) -> bool:
+        """Its epilogue is the tiled kernels' (small tiled and GEMM, one k split): not GEMV mode's."""
+        return self.picks or self.silu
+
+    @property
     def out_shape(self) -> tuple[str, ...] | tuple[str, int]:
-        return (ROWS,) if self.picks else (ROWS, self.n)
+        return (ROWS,) if self.picks else (ROWS, self.n // 2) if self.silu else (ROWS, self.n)
 
     def params(self) -> tuple[Param, ...]:
         scale = (Param("scale", F32, (self.n,)),) if self.fp8 else ()
@@ -128,12 +155,13 @@ class LinearSpec(KernelSpec):
         """DRAM bytes one call must move: the weight (and FP8 scales) once, x read, y (or the ids) written."""
         rows = sizes[ROWS]
         weight = self.n * self.k * ITEM_BYTES[self.weight_dtype] + (4 * self.n if self.fp8 else 0)
-        out = rows * (1 if self.picks else self.n) * ITEM_BYTES[self.out_dtype]
+        out = rows * (1 if self.picks else self.n // 2 if self.silu else self.n) * ITEM_BYTES[self.out_dtype]
         return weight + rows * self.k * ITEM_BYTES[BF16] + out
 
     def node(self) -> Node:
         """The graph node this spec computes (the reference evaluates it with the graph interpreter)."""
-        return Node.make(Op(self.op), [TensorType(self.out_dtype, self.out_shape)])
+        attrs = {"group": SILU_GROUP} if self.silu else {}
+        return Node.make(Op(self.op), [TensorType(self.out_dtype, self.out_shape)], **attrs)
 
     def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         from dflash_compiler.ir import evaluate_node
@@ -165,7 +193,8 @@ class LinearSpec(KernelSpec):
             tie_at_the_max(arrays, self.n)
             arrays["y"] = np.full(rows, -7, np.int32)
         else:
-            arrays["y"] = np.zeros((rows, self.n), ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32)
+            cols = self.out_shape[1]
+            arrays["y"] = np.zeros((rows, cols), ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32)
         return arrays
 
 
@@ -214,7 +243,7 @@ def linear_func(spec: LinearSpec) -> Any:
         return e4m3_to_f32(w[j, kk]) if spec.fp8 else w[j, kk].astype(F32)
 
     acc = te.compute((m, spec.n), lambda i, j: te.sum(x[i, r].astype(F32) * weight(j, r), axis=r), name="acc")
-    out = F32 if spec.picks else spec.out_dtype
+    out = F32 if spec.tiled_only else spec.out_dtype
     if spec.fp8:
         scale = te.placeholder((spec.n,), F32, name="scale")
         y = te.compute((m, spec.n), lambda i, j: (acc[i, j] * scale[j]).astype(out), name="y")
@@ -222,6 +251,16 @@ def linear_func(spec: LinearSpec) -> Any:
     else:
         y = te.compute((m, spec.n), lambda i, j: acc[i, j].astype(out), name="y")
         inputs = [x, w]
+    if spec.silu:  # silu(gate) * up of each feature's interleaved gate and up outputs
+
+        def act(i: Any, c: Any) -> Any:
+            gate, up = (
+                y[i, c // SILU_GROUP * 2 * SILU_GROUP + c % SILU_GROUP],
+                y[i, c // SILU_GROUP * 2 * SILU_GROUP + SILU_GROUP + c % SILU_GROUP],
+            )
+            return (gate / (1.0 + te.exp(-gate)) * up).astype(spec.out_dtype)
+
+        y = te.compute((m, spec.n // 2), act, name="act")
     if spec.picks:  # the argmax of the logits y, as ARGMAX computes it
         chunk = default_chunk(spec.n)
         part = chunk_partials("part", (m,), spec.n, chunk, lambda i, j: y[i, j])
@@ -261,7 +300,7 @@ def spec_of(subject: Any) -> LinearSpec | None:
     if len(inputs) not in (2, 3) or len(outputs) != 1:
         return None
     x, w, out = inputs[0], inputs[1], outputs[0]
-    picks = subject.op is Op.LM_HEAD_ARGMAX
+    picks, silu = subject.op is Op.LM_HEAD_ARGMAX, subject.op is Op.MATMUL_SILU
     if len(x.shape) != 2 or len(w.shape) != 2 or len(out.shape) != (1 if picks else 2):
         return None
     n, k = w.shape
@@ -272,7 +311,7 @@ def spec_of(subject: Any) -> LinearSpec | None:
         return None
     if picks and out.dtype != I32:
         return None
-    if not picks and (out.dtype not in (BF16, F32) or out.shape[1] != n):
+    if not picks and (out.dtype not in (BF16, F32) or out.shape[1] != (n // 2 if silu else n)):
         return None
     try:
         return LinearSpec(op=subject.op.value, n=n, k=k, weight_dtype=w.dtype, out_dtype=out.dtype)
@@ -346,7 +385,7 @@ class LinearMmaRule(FamilyRule):
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
         spec = spec_of(subject)
-        return None if spec is None or spec.picks else spec  # lm_head_argmax: LinearArgmaxRule
+        return None if spec is None or spec.tiled_only else spec  # LinearArgmaxRule, LinearSiluRule
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)
@@ -402,11 +441,11 @@ class LinearMmaRule(FamilyRule):
             )
         gemm = self._gemm_plan(spec, target, knobs)
         small = small_tiled_plan(spec, target, knobs) if gemm and knobs["gemv_tiled_stages"] else None
-        if spec.picks and (small is None or gemm is None or gemm.k_splits != 1):
+        if spec.tiled_only and (small is None or gemm is None or gemm.k_splits != 1):
             raise ScheduleError(
                 f"{self.name} knobs x_stages={plan.x_stages}, gemm_rows={rows}, gemv_tiled_stages="
-                f"{knobs['gemv_tiled_stages']}, k splits {gemm.k_splits if gemm else None} on {spec.name}: its argmax "
-                "epilogue runs on the small tiled kernel and the GEMM, whose blocks each rank whole sums. Fix: "
+                f"{knobs['gemv_tiled_stages']}, k splits {gemm.k_splits if gemm else None} on {spec.name}: its "
+                "epilogue runs on the small tiled kernel and the GEMM, whose blocks each hold whole sums. Fix: "
                 "x_stages 0, gemm_rows > 0, gemv_tiled_stages > 0 and gemm_k_splits / wgmma_k_splits 1"
             )
         return plan, gemm, small, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small)
@@ -506,10 +545,20 @@ class LinearArgmaxRule(LinearMmaRule):
     """
 
     name = "linear_argmax"
+    op = Op.LM_HEAD_ARGMAX
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
         spec = spec_of(subject)
-        return spec if spec is not None and spec.picks else None
+        return spec if spec is not None and spec.op == self.op.value else None
+
+
+class LinearSiluRule(LinearArgmaxRule):
+    """matmul_silu on the same tiled kernels as LinearArgmaxRule, with the store writing silu(gate) · up of
+    each feature's interleaved gate and up rows (linear_tiled.store_macro); same knobs, refusals and
+    defaults, under its own name."""
+
+    name = "linear_silu"
+    op = Op.MATMUL_SILU
 
 
 def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
@@ -540,8 +589,8 @@ def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
                      k_steps=shape["k_steps"], vector=vector)  # fmt: skip
     stages = max(2, min(shape["stages"], target.shared_memory_per_sm // 2 // plan.stage_bytes()))
     blocks = -(-spec.n // plan.block_n)
-    # lm_head_argmax ranks whole sums in its epilogue: no k split
-    splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] and not spec.picks else 1
+    # the argmax and silu epilogues (tiled_only) take whole sums: no k split
+    splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] and not spec.tiled_only else 1
     return {**plan.knobs(), "stages": stages, "k_splits": splits}
 
 
@@ -597,8 +646,8 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
             continue
         slots = blocks_per_sm * target.sm_count
         tiles = -(-spec.n // plan.block_n)
-        # lm_head_argmax ranks whole sums in its epilogue: no k split
-        for splits in (s for s in range(1, 2 if spec.picks else 9) if atoms % s == 0):
+        # the argmax and silu epilogues (tiled_only) take whole sums: no k split
+        for splits in (s for s in range(1, 2 if spec.tiled_only else 9) if atoms % s == 0):
             blocks = tiles * splits
             cost = -(-blocks // slots) * slots / blocks + partial_bytes * splits / weight_bytes
             key = (round(cost, 3), splits, order)
@@ -822,7 +871,7 @@ class LinearGemvRule(FamilyRule):
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
         spec = spec_of(subject)
-        return None if spec is None or spec.picks else spec  # the argmax epilogue is the tiled kernels'
+        return None if spec is None or spec.tiled_only else spec  # their epilogues are the tiled kernels'
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)

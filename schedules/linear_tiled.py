@@ -283,26 +283,41 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
     `plan` has `n_tiles` 16-row weight tiles by `m_tiles` 8-row x tiles per warp, `block_n` × `block_m` per
     block and `k_splits`; accumulator (nt · m_tiles + mt) · 4 + e is mma.sync's m16n8 element e of the warp's
     tile pair (nt, mt): weight row g + 8 · (e // 2) of the 16-row tile, x row 2t + e % 2 of the 8-row tile.
+    matmul_silu (`spec.silu`, one k split): a 16-row tile holds 8 features' gate rows, then their up rows
+    (ir_passes/fuse_gate_up_silu.py), so elements e and e + 2 are one feature's gate and up and the thread
+    stores silu(gate) · up at column tile · 8 + g.
     """
     from tvm.script import tirx as T
 
-    n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
+    n, fp8, out_dtype, silu = spec.n, spec.fp8, spec.out_dtype, spec.silu
     n_tiles, m_tiles, bn_rows, bm_rows, k_splits = plan.n_tiles, plan.m_tiles, plan.block_n, plan.block_m, plan.k_splits
+
+    def value(acc: Any, scale: Any, index: Any, j: Any) -> Any:
+        return acc[index] * scale[j] if fp8 else acc[index]
 
     @T.macro
     def store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
         for nt in T.unroll(n_tiles):
             for mt in T.unroll(m_tiles):
-                for e in T.unroll(4):
-                    i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
-                    j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
-                    if i < m and j < n:
-                        if k_splits > 1:
-                            part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
-                        elif fp8:
-                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
-                        else:
-                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
+                if silu:
+                    for h in T.unroll(2):
+                        i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + h)
+                        tile = T.meta_var((bn * bn_rows + (wn * n_tiles + nt) * 16) // 16)
+                        if i < m and tile * 16 < n:
+                            gate: T.let[T.float32] = value(acc, scale, (nt * m_tiles + mt) * 4 + h, tile * 16 + g)
+                            up: T.let[T.float32] = value(acc, scale, (nt * m_tiles + mt) * 4 + 2 + h, tile * 16 + 8 + g)
+                            y[i, tile * 8 + g] = T.Cast(out_dtype, gate / (T.float32(1) + T.exp(-gate)) * up)
+                else:
+                    for e in T.unroll(4):
+                        i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
+                        j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
+                        if i < m and j < n:
+                            if k_splits > 1:
+                                part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
+                            elif fp8:
+                                y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
+                            else:
+                                y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
 
     return store
 

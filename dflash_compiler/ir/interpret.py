@@ -207,6 +207,14 @@ def _lm_head(node: Node, args: list[np.ndarray]) -> np.ndarray:
     return _matmul_fp8(node, args) if len(args) == 3 else _f32(args[0]) @ _f32(args[1]).T
 
 
+def _matmul_silu(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    y = _lm_head(node, args)  # x @ W.T, times the scales for an FP8 weight
+    group = int(node.attr("group"))
+    pairs = y.reshape(y.shape[0], -1, 2, group)  # per row: (gate, up) blocks of `group` columns
+    gate, up = pairs[:, :, 0].reshape(y.shape[0], -1), pairs[:, :, 1].reshape(y.shape[0], -1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
 def _argmax(logits: np.ndarray) -> np.ndarray:
     return np.argmax(_f32(logits), axis=-1).astype(np.int32)
 
@@ -260,6 +268,7 @@ _IMPL: dict[Op, _Impl] = {
     Op.MATMUL_FP8: _matmul_fp8,
     Op.LM_HEAD: _lm_head,
     Op.LM_HEAD_ARGMAX: lambda n, a: _argmax(_lm_head(n, a)),
+    Op.MATMUL_SILU: _matmul_silu,
     Op.RMSNORM: lambda n, a: _rms(a[0], a[1], float(n.attr("eps"))),
     Op.RMSNORM_RESIDUAL: _rmsnorm_residual,
     Op.HEAD_RMSNORM: _head_rmsnorm,

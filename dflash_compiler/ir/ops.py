@@ -36,6 +36,8 @@ class Op(StrEnum):
     MATMUL = "matmul"  # y = x @ W.T (W [N, K], bf16/fp32)
     MATMUL_FP8 = "matmul_fp8"  # y = (x @ W8.T) * scale[N] (W8 e4m3, per-output-row fp32 scale)
     LM_HEAD = "lm_head"  # logits = x @ E.T over the target vocabulary; FP8 form (x, E8, scale)
+    # silu(gate) * up of a gate|up projection whose weight rows (and FP8 scales) are interleaved `group` at a time
+    MATMUL_SILU = "matmul_silu"
     LM_HEAD_ARGMAX = "lm_head_argmax"  # argmax of lm_head's logits per row, the logits never stored
     # norm
     RMSNORM = "rmsnorm"  # w * x / sqrt(mean(x^2) + eps) over the last dim
@@ -83,6 +85,7 @@ _KIND: dict[Op, OpKind] = {
     Op.MATMUL_FP8: OpKind.LINEAR,
     Op.LM_HEAD: OpKind.LINEAR,
     Op.LM_HEAD_ARGMAX: OpKind.LINEAR,
+    Op.MATMUL_SILU: OpKind.LINEAR,
     Op.RMSNORM: OpKind.NORM,
     Op.RMSNORM_RESIDUAL: OpKind.NORM,
     Op.HEAD_RMSNORM: OpKind.NORM,

@@ -72,6 +72,21 @@ def _lm_head_argmax(node: Node, ins: list[TensorType]) -> list[str]:
     )
 
 
+def _matmul_silu(node: Node, ins: list[TensorType]) -> list[str]:
+    x, w, out = ins[0], ins[1], node.outputs[0]
+    errs = _linear_operands(node, ins)
+    if errs:
+        return errs
+    group, rows = int(node.attr("group")), w.shape[0]
+    return _expect(
+        isinstance(rows, int)
+        and rows % (2 * group) == 0
+        and _same(out.shape[-1], rows // 2)
+        and _same(out.shape[0], x.shape[0]),
+        f"output {out.render()} is not [{x.shape[0]}, {w.shape[0]} / 2] of gate|up blocks of {group} rows",
+    )
+
+
 def _same_as_input(node: Node, ins: list[TensorType]) -> list[str]:
     return _expect(
         all(_same(a, b) for a, b in zip(node.outputs[0].shape, ins[0].shape, strict=False))
@@ -203,6 +218,8 @@ SPECS: dict[Op, OpSpec] = {
     Op.MATMUL_FP8: OpSpec((3, 3), rule=_matmul),
     Op.LM_HEAD: OpSpec((2, 3), rule=_matmul),  # (x, W) or FP8 (x, W8 e4m3 [V, H], scale f32[V])
     Op.LM_HEAD_ARGMAX: OpSpec((2, 3), rule=_lm_head_argmax),  # LM_HEAD's inputs; int32 [rows] ids
+    # (x, W) or FP8 (x, W8, scale) with gate|up rows interleaved `group` at a time; [rows, N / 2]
+    Op.MATMUL_SILU: OpSpec((2, 3), ("group",), rule=_matmul_silu),
     Op.RMSNORM: OpSpec((2, 2), ("eps",), rule=_norm),
     Op.RMSNORM_RESIDUAL: OpSpec((3, 3), ("eps",), outputs=2, rule=_rmsnorm_residual),
     Op.HEAD_RMSNORM: OpSpec((2, 2), ("eps", "head_dim"), rule=_norm),
