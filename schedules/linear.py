@@ -136,8 +136,12 @@ class LinearSpec(KernelSpec):
         return self.picks or self.silu
 
     @property
-    def out_shape(self) -> tuple[str, ...] | tuple[str, int]:
-        return (ROWS,) if self.picks else (ROWS, self.n // 2) if self.silu else (ROWS, self.n)
+    def out_shape(self) -> tuple[Any, ...]:
+        return self.out_dims(ROWS)
+
+    def out_dims(self, rows: Any) -> tuple[Any, ...]:
+        """The output's shape for `rows` rows of x (a count, a name or a TVM variable)."""
+        return (rows,) if self.picks else (rows, self.n // 2) if self.silu else (rows, self.n)
 
     def params(self) -> tuple[Param, ...]:
         scale = (Param("scale", F32, (self.n,)),) if self.fp8 else ()
@@ -155,7 +159,7 @@ class LinearSpec(KernelSpec):
         """DRAM bytes one call must move: the weight (and FP8 scales) once, x read, y (or the ids) written."""
         rows = sizes[ROWS]
         weight = self.n * self.k * ITEM_BYTES[self.weight_dtype] + (4 * self.n if self.fp8 else 0)
-        out = rows * (1 if self.picks else self.n // 2 if self.silu else self.n) * ITEM_BYTES[self.out_dtype]
+        out = int(np.prod(self.out_dims(rows))) * ITEM_BYTES[self.out_dtype]
         return weight + rows * self.k * ITEM_BYTES[BF16] + out
 
     def node(self) -> Node:
@@ -191,10 +195,9 @@ class LinearSpec(KernelSpec):
             arrays["scale"] = rng.uniform(0.005, 0.02, self.n).astype(np.float32)
         if self.picks:
             tie_at_the_max(arrays, self.n)
-            arrays["y"] = np.full(rows, -7, np.int32)
+            arrays["y"] = np.full(self.out_dims(rows), -7, np.int32)
         else:
-            cols = self.out_shape[1]
-            arrays["y"] = np.zeros((rows, cols), ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32)
+            arrays["y"] = np.zeros(self.out_dims(rows), ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32)
         return arrays
 
 

@@ -161,7 +161,7 @@ def mma_gemv_func(
     """
     from tvm.script import tirx as T
 
-    n, k, picks, silu = spec.n, spec.k, spec.picks, spec.silu
+    n, k, picks = spec.n, spec.k, spec.picks
     out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
     body = _body_macro(spec, plan)
     if small is not None and (gemm is None or small.k_splits != 1):
@@ -207,7 +207,7 @@ def mma_gemv_func(
             x = T.match_buffer(x_h, (m, k), "bfloat16")
             w = T.match_buffer(w_h, (n, k), wdtype)
             scale = T.match_buffer(s_h, (n,), "float32")
-            y = T.match_buffer(y_h, (m,) if picks else (m, n // 2) if silu else (m, n), out_dtype)
+            y = T.match_buffer(y_h, spec.out_dims(m), out_dtype)
             body(x, w, scale, y, m)
 
         return scaled
@@ -218,7 +218,7 @@ def mma_gemv_func(
         m = T.int32()
         x = T.match_buffer(x_h, (m, k), "bfloat16")
         w = T.match_buffer(w_h, (n, k), wdtype)
-        y = T.match_buffer(y_h, (m,) if picks else (m, n // 2) if silu else (m, n), out_dtype)
+        y = T.match_buffer(y_h, spec.out_dims(m), out_dtype)
         body(x, w, x, y, m)  # no scale buffer: the body reads it only for FP8 weights
 
     return plain

@@ -139,7 +139,8 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
     picks = spec.picks
-    pick, pick_merge = pick_macro(spec, plan), pick_merge_macro(spec, plan)
+    # lm_head_argmax's epilogue, built only for it (every macro parses its source)
+    pick, pick_merge = (pick_macro(spec, plan), pick_merge_macro(spec, plan)) if picks else (None, None)
 
     def swizzle(chunk: Any, row: Any, per_lane: int, chunks: int) -> Any:
         # eight lanes read rows r, r + 1 (r even), four chunks each (`per_lane` apart); rows of 128 bytes or

@@ -148,7 +148,8 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
     picks = spec.picks
-    pick, pick_merge = pick_macro(spec, plan), pick_merge_macro(spec, plan)
+    # lm_head_argmax's epilogue, built only for it (every macro parses its source)
+    pick, pick_merge = (pick_macro(spec, plan), pick_merge_macro(spec, plan)) if picks else (None, None)
 
     def w_column(c: Any, row: Any) -> Any:
         # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones

@@ -203,12 +203,13 @@ def _matmul_fp8(node: Node, args: list[np.ndarray]) -> np.ndarray:
     return (_f32(x) @ _f32(w8).T) * _f32(scale)[None, :]
 
 
-def _lm_head(node: Node, args: list[np.ndarray]) -> np.ndarray:
+def _linear(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """x @ W.T, times the per-row scales in the FP8 form (x, W8, scale)."""
     return _matmul_fp8(node, args) if len(args) == 3 else _f32(args[0]) @ _f32(args[1]).T
 
 
 def _matmul_silu(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    y = _lm_head(node, args)  # x @ W.T, times the scales for an FP8 weight
+    y = _linear(node, args)  # x @ W.T, times the scales for an FP8 weight
     group = int(node.attr("group"))
     pairs = y.reshape(y.shape[0], -1, 2, group)  # per row: (gate, up) blocks of `group` columns
     gate, up = pairs[:, :, 0].reshape(y.shape[0], -1), pairs[:, :, 1].reshape(y.shape[0], -1)
@@ -264,10 +265,10 @@ _IMPL: dict[Op, _Impl] = {
     Op.DROP_ANCHOR: _drop_anchor,
     Op.KV_WRITE: _kv_write,
     Op.KV_WRITES: _kv_writes,
-    Op.MATMUL: lambda n, a: _f32(a[0]) @ _f32(a[1]).T,
+    Op.MATMUL: _linear,
     Op.MATMUL_FP8: _matmul_fp8,
-    Op.LM_HEAD: _lm_head,
-    Op.LM_HEAD_ARGMAX: lambda n, a: _argmax(_lm_head(n, a)),
+    Op.LM_HEAD: _linear,
+    Op.LM_HEAD_ARGMAX: lambda n, a: _argmax(_linear(n, a)),
     Op.MATMUL_SILU: _matmul_silu,
     Op.RMSNORM: lambda n, a: _rms(a[0], a[1], float(n.attr("eps"))),
     Op.RMSNORM_RESIDUAL: _rmsnorm_residual,
