@@ -538,27 +538,31 @@ class LinearMmaRule(FamilyRule):
         return self._func(spec, target, knobs)[3]
 
 
-class LinearArgmaxRule(LinearMmaRule):
-    """lm_head_argmax on LinearMmaRule's tiled kernels with the argmax epilogue of `linear_argmax.py`: the small
-    tiled kernel up to gemm_rows rows, the tiled or warpgroup GEMM above, each followed by its merge of the
-    blocks' picks. Same knobs and defaults as LinearMmaRule, under its own name so that knobs chosen for the
-    linears (GEMM mode, k splits) do not reach it. Refused: `x_stages` > 0 and `gemv_tiled_stages` 0 (the
-    kernels that keep their accumulators in GEMV-mode registers have no epilogue here) and k splits (a
-    block ranks whole sums).
-    """
+class _TiledEpilogueRule(LinearMmaRule):
+    """LinearMmaRule's tiled kernels (the small tiled kernel up to gemm_rows rows, the tiled or warpgroup GEMM
+    above) for one op whose epilogue replaces the store. Same knobs and defaults as LinearMmaRule, under the
+    subclass's own name so that knobs chosen for the linears (GEMM mode, k splits) do not reach it. Refused:
+    `x_stages` > 0 and `gemv_tiled_stages` 0 (the kernels that keep their accumulators in GEMV-mode registers
+    have no such epilogue) and k splits (an epilogue takes whole sums)."""
 
-    name = "linear_argmax"
-    op = Op.LM_HEAD_ARGMAX
+    op: Op
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
         spec = spec_of(subject)
         return spec if spec is not None and spec.op == self.op.value else None
 
 
-class LinearSiluRule(LinearArgmaxRule):
-    """matmul_silu on the same tiled kernels as LinearArgmaxRule, with the store writing silu(gate) · up of
-    each feature's interleaved gate and up rows (linear_tiled.store_macro); same knobs, refusals and
-    defaults, under its own name."""
+class LinearArgmaxRule(_TiledEpilogueRule):
+    """lm_head_argmax with the argmax epilogue of `linear_argmax.py`, each kernel followed by its merge of the
+    blocks' picks."""
+
+    name = "linear_argmax"
+    op = Op.LM_HEAD_ARGMAX
+
+
+class LinearSiluRule(_TiledEpilogueRule):
+    """matmul_silu, the store writing silu(gate) · up of each feature's interleaved gate and up rows
+    (linear_tiled.store_macro)."""
 
     name = "linear_silu"
     op = Op.MATMUL_SILU
