@@ -260,7 +260,10 @@ class Proposal:
     * ``decision_scores`` — what the greedy pick took the argmax of, per draft row: the logits (v1), the
       Markov-biased logits ``[B-1, V]`` (DSpark) or the selector scores ``[B-1, top_k]`` (DFlash2). Compiled
       paths use it to tell a real mismatch from a near-tie;
-    * ``candidates`` ``[B-1, top_k]`` or None — DFlash2's candidate ids, in the order of ``decision_scores``.
+    * ``candidates`` ``[B-1, top_k]`` or None — DFlash2's candidate ids, in the order of ``decision_scores``;
+    * ``gap_noise`` ``[B-1]`` or None — DFlash2: how far the selector term of the top-2 score gap moves, one
+      standard deviation, when the row's hidden state carries an error of its own norm in a random direction
+      (``‖h‖·‖∂gap/∂h‖/√H``). The codebooks can make that term far steeper than the scores' spread shows.
     """
 
     tokens: np.ndarray
@@ -269,6 +272,7 @@ class Proposal:
     hidden: np.ndarray
     decision_scores: np.ndarray | None = None
     candidates: np.ndarray | None = None
+    gap_noise: np.ndarray | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,10 +505,10 @@ class ReferenceDrafter:
 
     def selector_walk(
         self, logits: np.ndarray, hn_rows: np.ndarray, anchor: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """DFlash2's candidate selector, greedy: per draft row the top-K logits ``U`` and ids ``cand``;
         ``score[k] = U[k] + <A[pred] ⊙ (P hn_i), Bc[cand[k]]>``; take the argmax, ``pred = cand[argmax]``.
-        Returns (tokens, scores ``[B-1, K]``, candidates ``[B-1, K]``)."""
+        Returns (tokens, scores ``[B-1, K]``, candidates ``[B-1, K]``, gap noise ``[B-1]``, see `Proposal`)."""
         spec = self.cfg.dflash2
         assert spec is not None
         proj, pred_book, succ_book = (self.selector[k] for k in ("hidden_projection", "predecessor", "successor"))
@@ -512,14 +516,19 @@ class ReferenceDrafter:
         tokens = np.zeros(rows, dtype=np.int64)
         scores = np.zeros((rows, top_k), dtype=F32)
         candidates = np.zeros((rows, top_k), dtype=np.int64)
+        gap_noise = np.zeros(rows, dtype=F32)
         pred = int(anchor)
         for i in range(rows):
             cand = top_k_candidates(logits[i], top_k)
             context = pred_book[pred] * (proj @ hn_rows[i])  # [r]
             scores[i] = logits[i, cand] + succ_book[cand] @ context
             candidates[i] = cand
-            pred = tokens[i] = int(cand[int(np.argmax(scores[i]))])
-        return tokens, scores, candidates
+            order = np.argsort(-scores[i], kind="stable")  # order[0] is argmax's pick
+            best, second = cand[order[0]], cand[order[min(1, top_k - 1)]]
+            slope = proj.T @ ((succ_book[best] - succ_book[second]) * pred_book[pred])  # ∂gap/∂hn_i
+            gap_noise[i] = np.linalg.norm(hn_rows[i]) * np.linalg.norm(slope) / np.sqrt(hn_rows.shape[1])
+            pred = tokens[i] = int(best)
+        return tokens, scores, candidates, gap_noise
 
     def propose(self, cache: ContextCache, anchor: int, p0: int) -> Proposal:
         """One draft block ``[anchor, MASK × (B-1)]`` at positions ``p0 .. p0+B-1``; the cache is unchanged."""
@@ -529,8 +538,10 @@ class ReferenceDrafter:
             tokens, confidences, biased = self.markov_walk(logits, hn[1:], anchor)
             return Proposal(tokens, confidences, logits, hn, decision_scores=biased)
         if self.cfg.family is Family.DFLASH2:
-            tokens, scores, candidates = self.selector_walk(logits, hn[1:], anchor)
-            return Proposal(tokens, None, logits, hn, decision_scores=scores, candidates=candidates)
+            tokens, scores, candidates, gap_noise = self.selector_walk(logits, hn[1:], anchor)
+            return Proposal(
+                tokens, None, logits, hn, decision_scores=scores, candidates=candidates, gap_noise=gap_noise
+            )
         tokens = np.argmax(logits, axis=-1).astype(np.int64)
         return Proposal(tokens, None, logits, hn, decision_scores=logits)
 

@@ -15,6 +15,7 @@ class _Proposal:
     decision_scores: np.ndarray
     logits: np.ndarray
     candidates: np.ndarray | None = None
+    gap_noise: np.ndarray | None = None
 
 
 @dataclass
@@ -60,3 +61,17 @@ def test_dflash2_decision_is_a_near_tie_when_its_candidate_set_is():
     )
     ref, got = _pair([0], [2], clear_set)
     assert not compare_drafts(Family.DFLASH2, ref, got).ok
+
+
+def test_dflash2_decision_is_a_near_tie_when_the_hidden_states_error_can_swing_its_gap():
+    # gap 4.0 of spread 4.0 is clear by the scores alone; a selector term whose gap moves 50 per unit of
+    # relative hidden-state error moves it by 1.5 (one standard deviation) at 3 %, so 4.0 is within 3 sigma
+    logits = np.array([[4.0, 1.0, -1.5, -2.0]])
+    scores = np.array([[3.0, -1.0]])
+    steep = _Proposal(decision_scores=scores, logits=logits, candidates=np.array([[0, 1]]), gap_noise=np.array([50.0]))
+    ref, got = _pair([0], [1], steep)
+    out = compare_drafts(Family.DFLASH2, ref, got)
+    assert out.ok and out.compared == 0 and out.diverged_near_ties == 1
+    flat = _Proposal(decision_scores=scores, logits=logits, candidates=np.array([[0, 1]]), gap_noise=np.array([40.0]))
+    ref, got = _pair([0], [1], flat)
+    assert not compare_drafts(Family.DFLASH2, ref, got).ok  # 3 x 0.03 x 40 = 3.6 < 4.0

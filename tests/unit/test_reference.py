@@ -416,6 +416,32 @@ def test_one_layer_dflash2_by_hand() -> None:
     assert differs, "the selector never overrode the argmax; the check is vacuous"
 
 
+def test_dflash2_gap_noise_is_the_selector_gaps_spread_under_hidden_state_noise() -> None:
+    """Push each row's hidden state by 1 % of its norm in random directions, recompute the selector term of
+    the top-2 gap by hand, and compare the spread of its change with ``gap_noise`` x 1 %."""
+    extra = {"conv_kernel_size": 2, "conv_group_size": 4, "selector_rank": 3, "selector_top_k": 4}
+    cfg = hand_config("sliding_attention", window=6, is_causal=False, arch="DFlash2DraftModel", extra=extra)
+    w = random_drafter_weights(cfg, 31)
+    P = w["candidate_selector.hidden_projection.weight"].astype(np.float64)
+    A = w["candidate_selector.predecessor_codebook"].astype(np.float64)
+    Bc = w["candidate_selector.successor_codebook"].astype(np.float64)
+    rng = np.random.default_rng(5)
+    for anchor, prop, hn, _logits in _hand_check(cfg, seed=31):
+        preds = [anchor, *prop.tokens[:-1].tolist()]
+        for i, pred in enumerate(preds):
+            order = np.argsort(-prop.decision_scores[i], kind="stable")
+            best, second = prop.candidates[i][order[0]], prop.candidates[i][order[1]]
+            h = hn[1 + i]
+
+            def term(x: np.ndarray, pred: int = pred, best: int = best, second: int = second) -> float:
+                return float(sum(A[pred, j] * (P[j] @ x) * (Bc[best, j] - Bc[second, j]) for j in range(3)))
+
+            dirs = rng.standard_normal((4000, h.size))
+            dirs *= 0.01 * np.linalg.norm(h) / np.linalg.norm(dirs, axis=1, keepdims=True)
+            moved = np.array([term(h + d) for d in dirs]) - term(h)
+            assert math.isclose(float(np.std(moved)), 0.01 * float(prop.gap_noise[i]), rel_tol=0.06)
+
+
 # --------------------------------------------------------------------------------------------------
 # the step protocol: incremental cache == recompute, padded mode == exact mode
 # --------------------------------------------------------------------------------------------------
