@@ -376,10 +376,10 @@ def test_fuse_lm_head_argmax_leaves_logits_other_ops_read(example: str) -> None:
     assert dump(fuse_lm_head_argmax(t.program.propose, _ctx(t))) == dump(t.program.propose)
 
 
-def _head_graph(readers: int, fp8: bool) -> Graph:
+def _head_graph(readers: int, fp8: bool, k: int = 64) -> Graph:
     g = Graph("t", {"rows": "rows"})
-    x = g.add("x", Node.make(Op.INPUT, [TensorType("bfloat16", ("rows", 64))]))
-    w_type = TensorType("float8_e4m3fn" if fp8 else "bfloat16", (100, 64))
+    x = g.add("x", Node.make(Op.INPUT, [TensorType("bfloat16", ("rows", k))]))
+    w_type = TensorType("float8_e4m3fn" if fp8 else "bfloat16", (100, k))
     w = g.add("w", Node.make(Op.WEIGHT, [w_type], decl=WeightDecl.of("w")))
     scale = [g.add("s", Node.make(Op.WEIGHT, [TensorType("float32", (100,))], decl=WeightDecl.of("s")))] if fp8 else []
     logits = g.add("lm_head", Node.make(Op.LM_HEAD, [TensorType("float32", ("rows", 100))]), [x, w, *scale])
@@ -399,6 +399,8 @@ def test_fuse_lm_head_argmax_takes_the_fp8_form_and_skips_shared_logits() -> Non
     assert [ref.node for ref in fused.inputs("argmax")] == ["x", "w", "s"]
     shared = _head_graph(2, fp8=False)  # the logits are also a graph output: they must be written
     assert dump(fuse_lm_head_argmax(shared, _ctx(t))) == dump(shared)
+    odd_k = _head_graph(1, fp8=False, k=48)  # no tensor-core kernel takes k = 48: nothing to fuse
+    assert dump(fuse_lm_head_argmax(odd_k, _ctx(t))) == dump(odd_k)
 
 
 # (c) structure: fuse_block_embed -------------------------------------------------------------------------
