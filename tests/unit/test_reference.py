@@ -393,13 +393,19 @@ def test_one_layer_dspark_walk_exact_anchor() -> None:
         assert prop.tokens[1] == second
 
 
-def test_one_layer_dflash2_by_hand() -> None:
+def _dflash2_hand() -> tuple[DrafterConfig, np.ndarray, np.ndarray, np.ndarray]:
+    """A one-layer DFlash2 (rank-3 selector over 4 candidates) and its selector's P, A and Bc (seed 31)."""
     extra = {"conv_kernel_size": 2, "conv_group_size": 4, "selector_rank": 3, "selector_top_k": 4}
     cfg = hand_config("sliding_attention", window=6, is_causal=False, arch="DFlash2DraftModel", extra=extra)
     w = random_drafter_weights(cfg, 31)
     P = w["candidate_selector.hidden_projection.weight"].astype(np.float64)
     A = w["candidate_selector.predecessor_codebook"].astype(np.float64)
     Bc = w["candidate_selector.successor_codebook"].astype(np.float64)
+    return cfg, P, A, Bc
+
+
+def test_one_layer_dflash2_by_hand() -> None:
+    cfg, P, A, Bc = _dflash2_hand()
     differs = False
     for anchor, prop, hn, logits in _hand_check(cfg, seed=31):
         pred, toks = anchor, []
@@ -419,12 +425,7 @@ def test_one_layer_dflash2_by_hand() -> None:
 def test_dflash2_gap_noise_is_the_selector_gaps_spread_under_hidden_state_noise() -> None:
     """Push each row's hidden state by 1 % of its norm in random directions, recompute the selector term of
     the top-2 gap by hand, and compare the spread of its change with ``gap_noise`` x 1 %."""
-    extra = {"conv_kernel_size": 2, "conv_group_size": 4, "selector_rank": 3, "selector_top_k": 4}
-    cfg = hand_config("sliding_attention", window=6, is_causal=False, arch="DFlash2DraftModel", extra=extra)
-    w = random_drafter_weights(cfg, 31)
-    P = w["candidate_selector.hidden_projection.weight"].astype(np.float64)
-    A = w["candidate_selector.predecessor_codebook"].astype(np.float64)
-    Bc = w["candidate_selector.successor_codebook"].astype(np.float64)
+    cfg, P, A, Bc = _dflash2_hand()
     rng = np.random.default_rng(5)
     for anchor, prop, hn, _logits in _hand_check(cfg, seed=31):
         preds = [anchor, *prop.tokens[:-1].tolist()]
