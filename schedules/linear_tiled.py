@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 
+from .base import ScheduleError
 from .linear_argmax import pick_macro, pick_merge_macro
 from .mma import a_fragments_macro, mma_m16n8k16
 
@@ -292,6 +293,11 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
 
     n, fp8, out_dtype, silu = spec.n, spec.fp8, spec.out_dtype, spec.silu
     n_tiles, m_tiles, bn_rows, bm_rows, k_splits = plan.n_tiles, plan.m_tiles, plan.block_n, plan.block_m, plan.k_splits
+    if silu and k_splits > 1:  # silu of partial sums is not silu of the sum
+        raise ScheduleError(
+            f"{spec.name}: the silu epilogue needs whole sums; found a plan with {k_splits} k splits. Fix: one k "
+            "split (LinearSiluRule refuses the knobs that split k)"
+        )
 
     def value(acc: Any, scale: Any, index: Any, j: Any) -> Any:
         return acc[index] * scale[j] if fp8 else acc[index]

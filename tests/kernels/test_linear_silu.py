@@ -90,6 +90,15 @@ def test_knobs_without_the_epilogue_are_refused(knobs, message):
         LinearSiluRule().apply(_spec(n=24576, k=4096), SM90, knobs)
 
 
+def test_store_refuses_a_split_plan():
+    from dflash_compiler.schedules.linear_tiled import TiledPlan, store_macro
+
+    plan = TiledPlan(n_warps=2, m_warps=2, n_tiles=2, m_tiles=2, stages=2, k_splits=2, vector=8)
+    with pytest.raises(ScheduleError, match="2 k splits"):
+        store_macro(_spec(), plan)
+    assert store_macro(_spec(), TiledPlan(**{**plan.__dict__, "k_splits": 1})) is not None
+
+
 @pytest.mark.parametrize("target", [SM90, SM120], ids=lambda t: t.name)
 def test_kernel_table_and_store(target):
     kernel = LinearSiluRule().apply(_spec(n=24576, k=4096), target)
