@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_compiler.cluster import MAX_PORTABLE
 from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
@@ -39,7 +40,7 @@ from .argmax import RANK_BASE, chunk_partials, coarse_bf16, default_chunk, index
 from .base import EXACT, FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError, Tolerance
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 from .linear_tiled import TILED_KNOBS, TiledPlan
-from .linear_wgmma import WGMMA_KNOBS, WgmmaPlan
+from .linear_wgmma import CLUSTER_REDUCE, KERNEL_REDUCE, WGMMA_KNOBS, WgmmaPlan
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
 BF16, FP8, F32, I32 = "bfloat16", "float8_e4m3fn", "float32", "int32"
@@ -344,7 +345,8 @@ class LinearMmaRule(FamilyRule):
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
     (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma) makes that
     GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
-    `wgmma_k_atoms`, `wgmma_k_splits` and `wgmma_mma_groups` (WgmmaPlan; 0 takes `wgmma_defaults`); the
+    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups` and `wgmma_k_reduce` (WgmmaPlan; 0 takes
+    `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8); the
     other GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x
     per block, that many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k
@@ -660,7 +662,7 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
             key = (round(cost, 3), splits, order)
             if best is None or key < best[0]:
                 best = (key, {"warpgroups": groups, "block_m": 128, "stages": stages, "k_atoms": 1,
-                              "k_splits": splits, "mma_groups": mma_groups})  # fmt: skip
+                              "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
     return best[1]
@@ -687,6 +689,11 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             "(wait for each slot's wgmmas) or 2 (one slot's stay in flight) groups, and more slots than groups "
             "(a slot's copies fly while the groups' slots are read)"
         )
+    if values["k_reduce"] not in (KERNEL_REDUCE, CLUSTER_REDUCE):
+        raise ScheduleError(
+            f"{rule} knob wgmma_k_reduce={values['k_reduce']}: expected {KERNEL_REDUCE} (the k splits' partial sums "
+            f"through a workspace and a merge kernel) or {CLUSTER_REDUCE} (added in a thread block cluster)"
+        )
     if values["block_m"] % 8 or values["block_m"] > 256:
         raise ScheduleError(f"{rule} knob wgmma_block_m={values['block_m']}: wgmma's N is a multiple of 8 up to 256")
     if WARP * 4 * values["warpgroups"] > target.max_threads_per_block:
@@ -695,9 +702,13 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             f"{target.max_threads_per_block // (4 * WARP)} warpgroups per block on {target.name}"
         )
     atoms = spec.k // 64
-    splits = _largest_divisor(atoms, values["k_splits"])
+    cluster = values["k_reduce"] == CLUSTER_REDUCE
+    # a cluster holds at most MAX_PORTABLE blocks; a single split has nothing to add (reported as KERNEL_REDUCE)
+    splits = _largest_divisor(atoms, min(values["k_splits"], MAX_PORTABLE) if cluster else values["k_splits"])
     per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_atoms"] and (atoms // splits) % p == 0)
-    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot}, weight_bytes=ITEM_BYTES[spec.weight_dtype])
+    reduce = values["k_reduce"] if splits > 1 else KERNEL_REDUCE
+    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot, "k_reduce": reduce},
+                     weight_bytes=ITEM_BYTES[spec.weight_dtype])  # fmt: skip
     if plan.shared_bytes() > target.max_shared_memory_per_block:
         raise ScheduleError(
             f"{rule}: wgmma stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "

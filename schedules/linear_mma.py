@@ -179,6 +179,8 @@ def mma_gemv_func(
         few = body if small is None else tiled_body_macro(spec, small)
         large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
         splits = tiled.k_splits
+        # the k splits' partial sums go through a workspace unless a cluster adds them (linear_wgmma.py)
+        workspace = splits > 1 and not (isinstance(tiled, WgmmaPlan) and tiled.cluster)
         # lm_head_argmax: each block's best (rank, value) per row, [2, m, blocks along n] (linear_argmax.py)
         few_blocks = pick_blocks(spec, small) if small is not None else 0
         large_blocks = pick_blocks(spec, tiled)
@@ -194,7 +196,7 @@ def mma_gemv_func(
                     few(x, w, scale, y, m, few_ws)
             else:
                 # the k splits' partial sums (a host workspace; one slot of nothing without splits)
-                part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if splits > 1 else (1,),
+                part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace else (1,),
                                              "float32")  # fmt: skip
                 large(x, w, scale, y, m, part)
 
