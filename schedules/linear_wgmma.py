@@ -27,7 +27,9 @@ per-row scale is applied where the accumulators are stored (or by the k-split me
 The accumulators of a warp follow mma.sync's m16n8 layout, one 16-row weight tile by block_m / 8 x tiles,
 so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m tiles, n tiles, k splits),
 the m tiles of one weight tile neighbours in launch order (the weight crosses from DRAM once), and with
-`k_splits > 1` the blocks write f32 partial sums that a second kernel adds. The first slots' weight copies
+`k_splits > 1` the blocks write f32 partial sums that a second kernel adds, or, with `k_reduce` 2, the
+splits of a tile are one thread block cluster that adds them in shared memory (`cluster_store_macro`): no
+workspace, no second launch. The first slots' weight copies
 are issued before the wait for the grid that writes x (dependent_launch.py), the next grid is let in once a
 block has issued its last weight copies.
 
