@@ -709,11 +709,18 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
     reduce = values["k_reduce"] if splits > 1 else KERNEL_REDUCE
     plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot, "k_reduce": reduce},
                      weight_bytes=ITEM_BYTES[spec.weight_dtype])  # fmt: skip
-    if plan.shared_bytes() > target.max_shared_memory_per_block:
+    limit = target.max_shared_memory_per_block
+    if plan.reduce_bytes() > limit:
+        raise ScheduleError(
+            f"{rule}: the cluster's f32 tile of {plan.block_m} rows of x by {plan.block_n} weight rows needs "
+            f"{plan.reduce_bytes()} bytes of shared memory; {target.name} allows {limit}. Fix: lower wgmma_block_m "
+            "or wgmma_warpgroups, or wgmma_k_reduce 1"
+        )
+    if plan.shared_bytes() > limit:
         raise ScheduleError(
             f"{rule}: wgmma stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "
             f"{plan.block_m} rows of x need {plan.shared_bytes()} bytes of shared memory; {target.name} allows "
-            f"{target.max_shared_memory_per_block}. Fix: lower wgmma_stages, wgmma_k_atoms or wgmma_block_m"
+            f"{limit}. Fix: lower wgmma_stages, wgmma_k_atoms or wgmma_block_m"
         )
     return plan
 

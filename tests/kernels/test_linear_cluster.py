@@ -42,6 +42,9 @@ def test_plan_caps_the_splits_at_a_portable_cluster_and_sizes_the_tile():
     assert single.k_reduce == KERNEL_REDUCE and not single.cluster and single.reduce_bytes() == 0
     with pytest.raises(ScheduleError, match="wgmma_k_reduce=3"):
         fit_wgmma_plan(spec, SM90, {**KNOBS, "k_reduce": 3})
+    # four warpgroups by 256 rows of x: a 264 KiB f32 tile, whatever the slots
+    with pytest.raises(ScheduleError, match=r"cluster's f32 tile .* Fix: lower wgmma_block_m"):
+        fit_wgmma_plan(spec, SM90, {**KNOBS, "warpgroups": 4, "block_m": 256, "stages": 2})
 
 
 def _lowered(spec: LinearSpec, knobs: dict[str, int]):
