@@ -29,9 +29,8 @@ so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m 
 the m tiles of one weight tile neighbours in launch order (the weight crosses from DRAM once), and with
 `k_splits > 1` the blocks write f32 partial sums that a second kernel adds, or, with `k_reduce` 2, the
 splits of a tile are one thread block cluster that adds them in shared memory (`cluster_store_macro`): no
-workspace, no second launch. The first slots' weight copies
-are issued before the wait for the grid that writes x (dependent_launch.py), the next grid is let in once a
-block has issued its last weight copies.
+workspace, no second launch. The first slots' weight copies are issued before the wait for the grid that
+writes x (dependent_launch.py), the next grid is let in once a block has issued its last weight copies.
 
 The slots need a 1024-byte aligned base: the kernel's only shared memory is this dynamic allocation, and
 CUDA places dynamic shared memory at the start of the block's window, which is 1024-byte aligned. The
@@ -82,7 +81,7 @@ class WgmmaPlan:
     block_m: int  # rows of x per block: wgmma's N (a multiple of 8, at most 256)
     stages: int  # shared-memory slots of the copy pipeline
     k_atoms: int  # 64-wide k atoms per slot
-    k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
+    k_splits: int  # blocks along k (> 1: partial sums added by a second kernel, or in a cluster: k_reduce)
     mma_groups: int = 1  # slots' wgmma groups a warpgroup has in flight: 2 keeps one running into the next slot
     weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
     k_reduce: int = KERNEL_REDUCE  # KERNEL_REDUCE or CLUSTER_REDUCE (module docstring)
