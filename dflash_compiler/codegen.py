@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 from dflash_compiler.cluster import PRELUDE as CLUSTER_PRELUDE
 from dflash_compiler.cluster import add_cluster_dims, cluster_dims
@@ -56,6 +56,9 @@ class KernelParam(_Frozen):
     source: str
 
 
+NO_CLUSTER = (1, 1, 1)
+
+
 class KernelLaunch(_Frozen):
     """One `cuLaunchKernel` of a host function: name, parameters and launch extents as expressions.
 
@@ -70,7 +73,16 @@ class KernelLaunch(_Frozen):
     block: tuple[str, str, str]
     dynamic_smem: str
     when: str = "1"
-    cluster: tuple[int, int, int] = (1, 1, 1)  # compile-time cluster shape (dflash_compiler.cluster)
+    cluster: tuple[int, int, int] = NO_CLUSTER  # compile-time cluster shape (dflash_compiler.cluster)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a launch without a cluster serializes as before the field existed: the manifests (and digests) of
+        # artifacts built earlier still verify, and builds without clusters are byte-identical
+        data = handler(self)
+        if tuple(self.cluster) == NO_CLUSTER:
+            data.pop("cluster", None)
+        return data
 
     def runs(self, env: Mapping[str, int]) -> bool:
         """Whether the host function launches this kernel for the given symbolic values."""

@@ -45,3 +45,19 @@ def test_two_shapes_or_too_many_blocks_are_refused():
     big = SOURCE.replace(f"{DIMS}(1, 1, 4)", f"{DIMS}(1, 1, {MAX_PORTABLE + 1})")
     with pytest.raises(ClusterError, match="portable cluster"):
         cluster_dims(big)
+
+
+def test_a_launch_without_a_cluster_serializes_as_before_the_field():
+    """Artifacts built before the field existed keep their manifest digest; a clustered launch round-trips."""
+    import json
+
+    from dflash_compiler.codegen import KernelLaunch
+
+    fields = {"name": "k", "params": (), "launch_tags": (), "grid": ("1", "1", "4"), "block": ("128", "1", "1")}
+    plain = KernelLaunch(dynamic_smem="0", **fields)
+    assert "cluster" not in plain.model_dump(mode="json")
+    assert KernelLaunch.model_validate_json(json.dumps(plain.model_dump(mode="json"))) == plain
+    clustered = plain.model_copy(update={"cluster": (1, 1, 4)})
+    dumped = clustered.model_dump(mode="json")
+    assert dumped["cluster"] == [1, 1, 4]
+    assert KernelLaunch.model_validate_json(json.dumps(dumped)).cluster == (1, 1, 4)
