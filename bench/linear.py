@@ -23,7 +23,8 @@ and `--fp8` add variants of the small bf16 weights and of the FP8 weights at one
 builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tiled.py), default and variants
 named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>[w<k_warps>]`
 (`--gemm-variant`, repeated, picks them; `--shapes` the weights), and on sm_90 the warpgroup
-GEMM (linear_wgmma.py), variants named `<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>[q<mma_groups>]`
+GEMM (linear_wgmma.py), variants named
+`<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>[q<mma_groups>[r<k_reduce>]]`
 (`--wgmma-variant`), against GEMV mode alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16
 sequences of 16 block rows), plus correctness cases of odd shapes.
 `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows: the default (the small
@@ -131,14 +132,16 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
             ("lm_head", 520, 256, FP8))  # fmt: skip
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
-# the warpgroup GEMM (linear_wgmma.py, on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits[, mma_groups])
-# variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged n, rows of x past m,
-# k splits, slots of two atoms, one and two warpgroups, 64- and 256-row x tiles
+# the warpgroup GEMM (linear_wgmma.py, on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits[, mma_groups
+# [, k_reduce]]) variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged n, rows
+# of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8 splits), slots of two
+# atoms, one to three warpgroups, 40-, 64- and 256-row x tiles
 WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
 WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16), ("matmul_fp8", 200, 256, FP8),
              ("lm_head", 384, 512, FP8))  # fmt: skip
 WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1, 40, 3, 2, 1), (3, 128, 3, 1, 1, 2),
-                      (1, 64, 4, 2, 2, 2))  # fmt: skip
+                      (1, 64, 4, 2, 2, 2), (2, 64, 3, 2, 2, 1, 2), (1, 40, 3, 1, 4, 2, 2), (3, 128, 3, 1, 8, 1, 2),
+                      (2, 256, 2, 1, 4, 1, 2))  # fmt: skip
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -236,7 +239,7 @@ def build(args: argparse.Namespace) -> None:
                 "gemm_wgmma": 1,
                 **{f"wgmma_{key}": v for key, v in zip(WGMMA_KNOBS, values, strict=False)},
             }
-            tag = "g{}n{}s{}a{}k{}".format(*values) + ("q{}".format(*values[5:]) if len(values) > 5 else "")
+            tag = "g{}n{}s{}a{}k{}".format(*values) + "".join(f"{c}{v}" for c, v in zip("qr", values[5:], strict=False))
             add_variant(label, spec, tag, rows, knobs, timed)
 
     if args.gemm:
@@ -564,8 +567,8 @@ def main() -> int:
     b.add_argument(
         "--wgmma-variant",
         action="append",
-        type=_knob_values((5, 6), "2,128,3,1,1"),
-        metavar="G,BM,S,A,KS[,MG]",
+        type=_knob_values((5, 6, 7), "2,128,3,1,1"),
+        metavar="G,BM,S,A,KS[,MG[,KR]]",
         help="with --gemm: a warpgroup GEMM variant (wgmma_ knobs in WGMMA_KNOBS order) instead of the built-in ones",
     )
     b.add_argument("-o", "--out", required=True)

@@ -17,8 +17,10 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
+from dflash_compiler.cluster import PRELUDE as CLUSTER_PRELUDE
+from dflash_compiler.cluster import add_cluster_dims, cluster_dims
 from dflash_compiler.dependent_launch import add_dependent_launch
 from dflash_compiler.errors import DFlashError
 from dflash_compiler.fast_exp2 import PRELUDE as EXP2_PRELUDE
@@ -54,6 +56,9 @@ class KernelParam(_Frozen):
     source: str
 
 
+NO_CLUSTER = (1, 1, 1)
+
+
 class KernelLaunch(_Frozen):
     """One `cuLaunchKernel` of a host function: name, parameters and launch extents as expressions.
 
@@ -68,6 +73,16 @@ class KernelLaunch(_Frozen):
     block: tuple[str, str, str]
     dynamic_smem: str
     when: str = "1"
+    cluster: tuple[int, int, int] = NO_CLUSTER  # compile-time cluster shape (dflash_compiler.cluster)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a launch without a cluster serializes as before the field existed: the manifests (and digests) of
+        # artifacts built earlier still verify, and builds without clusters are byte-identical
+        data = handler(self)
+        if tuple(self.cluster) == NO_CLUSTER:
+            data.pop("cluster", None)
+        return data
 
     def runs(self, env: Mapping[str, int]) -> bool:
         """Whether the host function launches this kernel for the given symbolic values."""
@@ -174,8 +189,11 @@ def lower_with_ir(mod: Any, target: Any) -> tuple[CudaModule, Any]:
     if not imports:
         raise CodegenError("TVM produced no device module: the IRModule holds no kernel")
     kernels = add_dependent_launch(imports[0].inspect_source())
-    source = FP8_PRELUDE + EXP2_PRELUDE + WGMMA_PRELUDE + wgmma_functions(kernels) + kernels
-    functions = _kernel_table(capture.mod)
+    clusters = cluster_dims(kernels)
+    kernels = add_cluster_dims(kernels, clusters)
+    preludes = FP8_PRELUDE + EXP2_PRELUDE + WGMMA_PRELUDE + (CLUSTER_PRELUDE if clusters else "")
+    source = preludes + wgmma_functions(kernels) + kernels
+    functions = {name: _with_clusters(f, clusters) for name, f in _kernel_table(capture.mod).items()}
     missing = [n for n in names if n not in functions]
     if missing:
         raise CodegenError(
@@ -183,6 +201,12 @@ def lower_with_ir(mod: Any, target: Any) -> tuple[CudaModule, Any]:
             "launch at least one CUDA kernel. Fix: bind its loops to blockIdx/threadIdx"
         )
     return CudaModule(source=source, functions=functions), capture.mod
+
+
+def _with_clusters(function: HostFunction, clusters: Mapping[str, tuple[int, int, int]]) -> HostFunction:
+    """`function` with each kernel's compile-time cluster shape (`cluster.cluster_dims` of the source)."""
+    kernels = tuple(k.model_copy(update={"cluster": clusters.get(k.name, k.cluster)}) for k in function.kernels)
+    return function.model_copy(update={"kernels": kernels})
 
 
 def _make_capture(tvm: Any) -> Any:

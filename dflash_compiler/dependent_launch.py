@@ -68,7 +68,12 @@ __device__ __forceinline__ void {LAUNCH_DEPENDENTS}() {{
 __device__ __forceinline__ void {PREFETCH_L2}(const void* p) {{ asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }}
 """
 
-_KERNEL = re.compile(r'^extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^;{]*\{[ \t]*$', re.MULTILINE)
+# a definition's signature line: launch bounds and a cluster shape (cluster.py) are optional
+_KERNEL = re.compile(
+    r'^extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(?:__cluster_dims__\(\d+, \d+, \d+\) )?'
+    r"(\w+)\([^;{]*\{[ \t]*$",
+    re.MULTILINE,
+)
 
 
 class DependentLaunchError(DFlashError):

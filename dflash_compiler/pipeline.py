@@ -22,10 +22,13 @@ from dflash_compiler.ir import dump, verify
 from dflash_compiler.ir.graph import Graph
 from dflash_compiler.ir_passes.choose_precision import choose_precision
 from dflash_compiler.ir_passes.context import Pass, PassContext
+from dflash_compiler.ir_passes.fuse_block_embed import fuse_block_embed
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
 from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
+from dflash_compiler.ir_passes.fuse_gate_up_silu import fuse_gate_up_silu
 from dflash_compiler.ir_passes.fuse_head_prep import fuse_head_prep
 from dflash_compiler.ir_passes.fuse_kv_writes import fuse_kv_writes
+from dflash_compiler.ir_passes.fuse_lm_head_argmax import fuse_lm_head_argmax
 from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
 from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.plan_memory import plan_memory
@@ -48,6 +51,9 @@ PASSES: list[tuple[str, Pass]] = [
     ("fuse_kv_writes", fuse_kv_writes),
     ("choose_precision", choose_precision),
     ("fuse_residual_norm", fuse_residual_norm),
+    ("fuse_lm_head_argmax", fuse_lm_head_argmax),
+    ("fuse_block_embed", fuse_block_embed),
+    ("fuse_gate_up_silu", fuse_gate_up_silu),
     ("size_kv_cache", size_kv_cache),
     ("plan_memory", plan_memory),
 ]

@@ -6,7 +6,7 @@ position in insertion order) so golden dumps show only what a pass changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -17,6 +17,9 @@ from dflash_compiler.ir.weights import WeightDecl
 # Per-head ops that sit between a projection and its consumer (q/k norm, RoPE): values pass through arg 0.
 HEAD_CHAIN = (Op.HEAD_RMSNORM, Op.ROPE)
 _KEEP = (Op.INPUT, Op.STATE, Op.OUTPUT)
+# The largest k step of the tensor-core linear kernels (an FP8 mma.sync step, a wgmma atom): a fused linear
+# whose only kernels are those (their epilogues) needs k a multiple of it.
+K_STEP = 64
 
 
 def fresh_name(graph: Graph, base: str) -> str:
@@ -154,3 +157,29 @@ def sibling_name(name: str, leaf: str) -> str:
 
 
 # the pass ------------------------------------------------------------------------------------------------
+
+
+def fuse_into_sole_reader(
+    graph: Graph,
+    producer: Op,
+    reader: Op,
+    arg: int,
+    make: Callable[[Node, Node], Node],
+    fits: Callable[[Graph, str], bool] = lambda graph, name: True,
+) -> Graph:
+    """Every ``producer`` node for which ``fits(graph, name)`` holds and whose one output is read by exactly
+    one node, a ``reader`` at argument ``arg``, merged with it: ``make(producer node, reader node)`` under the
+    reader's name (its readers are untouched), reading the producer's inputs and then the reader's other
+    arguments; the producer is gone. Returns a new graph in ``graph``'s node order."""
+    out = graph.copy()
+    for name, node in graph.nodes_of(producer):
+        readers = out.users(Ref(name)) if len(node.outputs) == 1 else []
+        if len(readers) != 1 or readers[0][1] != arg or out.node(readers[0][0]).op is not reader:
+            continue
+        if not fits(out, name):
+            continue
+        target = readers[0][0]
+        rest = [ref for i, ref in enumerate(out.inputs(target)) if i != arg]
+        replace_node(out, target, make(node, out.node(target)), [*out.inputs(name), *rest])
+        out.remove([name])
+    return in_original_order(out, graph, {})

@@ -15,7 +15,7 @@ from .embed import EmbedRule
 from .head_norm_rope import HeadNormRopeRule
 from .head_prep import HeadPrepRule
 from .kv_write import KVWriteRule
-from .linear import LinearGemvRule, LinearMmaRule
+from .linear import LinearArgmaxRule, LinearGemvRule, LinearMmaRule, LinearSiluRule
 from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
 
 # Tried in order by `apply_rules`. Families do not overlap except the linears and the attention: the
@@ -24,6 +24,8 @@ from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
 RULES: tuple[Rule, ...] = (
     RMSNormRule(),
     LinearMmaRule(),
+    LinearArgmaxRule(),
+    LinearSiluRule(),
     LinearGemvRule(),
     AttentionWgmmaRule(),
     AttentionMmaRule(),
@@ -54,8 +56,10 @@ __all__ = [
     "KVWriteRule",
     "Kernel",
     "KernelSpec",
+    "LinearArgmaxRule",
     "LinearGemvRule",
     "LinearMmaRule",
+    "LinearSiluRule",
     "OpInstance",
     "Param",
     "RMSNormRule",

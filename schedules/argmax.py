@@ -273,24 +273,27 @@ class ArgmaxSpec(KernelSpec):
         return {"logits": distinct_rows(rng, rows, self.vocab, 2), "ids": np.full(rows, -7, np.int32)}
 
 
-def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -> Any:
-    """Both stages of `spec` as CUDA-scheduled TVMScript (see the module docstring).
+@dataclass(frozen=True)
+class PickMacros:
+    """TVMScript macros that reduce (key, rank) pairs by the pick order, in registers and shared memory.
 
-    Stage 1: thread t of block (row, c) loads its `per_thread` vectors of the chunk first (16-byte loads
-    where the vocabulary is a multiple of 4, so a vector is whole or past the end), then reduces them in
-    index order, then the warps reduce with xor shuffles and warp 0 combines the warps' winners through
-    shared memory. Stage 2: one block per row reduces the row's partials the same way.
+    `take(key, rank, other_key, other_rank)`: the pair in the one-element local buffers key and rank
+    becomes the better of it and the other. `warp_reduce(key, rank)`: every lane of the warp ends with the
+    warp's best (xor shuffles). `block_reduce(key, rank, shared, lane, w, nw)`: warp 0 ends with the best
+    of the block's `nw` warps (`shared` is float32 [2, nw]; every thread of the block must call it).
     """
+
+    take: Any
+    warp_reduce: Any
+    block_reduce: Any
+
+
+def pick_macros(warp: int) -> PickMacros:
+    """The pick-order reductions for warps of `warp` lanes."""
     from tvm.script import tirx as T
 
-    vocab, chunk, chunks = spec.vocab, spec.chunk, spec.chunks
-    vec = 4 if vocab % 4 == 0 and chunk % (4 * threads) == 0 else 1
-    per_thread = chunk // (vec * threads)
-    warps, merge_warps = threads // warp, merge_threads // warp
-    per_merge = -(-chunks // merge_threads)
     full = T.uint32(0xFFFFFFFF)
     floor = T.float32(float(np.finfo(np.float32).min))
-    base = T.float32(float(RANK_BASE))
 
     @T.macro
     def take(key, rank, other_key, other_rank):
@@ -319,6 +322,29 @@ def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -
                 key[0] = T.if_then_else(lane < nw, shared[0, T.min(lane, nw - 1)], floor)
                 rank[0] = T.if_then_else(lane < nw, shared[1, T.min(lane, nw - 1)], T.float32(NO_RANK))
                 warp_reduce(key, rank)
+
+    return PickMacros(take, warp_reduce, block_reduce)
+
+
+def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -> Any:
+    """Both stages of `spec` as CUDA-scheduled TVMScript (see the module docstring).
+
+    Stage 1: thread t of block (row, c) loads its `per_thread` vectors of the chunk first (16-byte loads
+    where the vocabulary is a multiple of 4, so a vector is whole or past the end), then reduces them in
+    index order, then the warps reduce with xor shuffles and warp 0 combines the warps' winners through
+    shared memory. Stage 2: one block per row reduces the row's partials the same way.
+    """
+    from tvm.script import tirx as T
+
+    vocab, chunk, chunks = spec.vocab, spec.chunk, spec.chunks
+    vec = 4 if vocab % 4 == 0 and chunk % (4 * threads) == 0 else 1
+    per_thread = chunk // (vec * threads)
+    warps, merge_warps = threads // warp, merge_threads // warp
+    per_merge = -(-chunks // merge_threads)
+    floor = T.float32(float(np.finfo(np.float32).min))
+    base = T.float32(float(RANK_BASE))
+    picks = pick_macros(warp)
+    take, block_reduce = picks.take, picks.block_reduce
 
     @T.prim_func(s_tir=True)
     def argmax(logits_h: T.handle, ids_h: T.handle) -> None:

@@ -4,6 +4,9 @@
   one tap has a gathered row index, so it shares elementwise.py's computation builder and schedule:
   16-byte loads of the table row, 16-byte stores. Ids must be in [0, V) (the graph's semantics; the kernel
   does not check them). Flat indices are int32, so V * H must stay below 2^31 (refused otherwise).
+  With `block` > 0 it is block_embed: the id of row `s * block + k` is `anchors[s]` for k = 0 and
+  `mask_token_id` else, computed in the kernel (parameters `anchors` int32 [nb] and y [m = nb * block, H],
+  bound as block_ids' are), so the ids never go to memory and block_ids' launch goes.
 * `block_ids`: `ids[s * block + k] = anchors[s] if k == 0 else mask_token_id`. Parameters `anchors`
   (int32 [nb]) and `ids` (int32 [m]) with **m = nb * block**: two variables, because every dim is one
   variable name; the launch plan binds both (nb from the anchors, m from the node's `nb*blk` rows).
@@ -50,23 +53,47 @@ def _check_block(op: str, block: int) -> None:
         raise ScheduleError(f"{op}: block must be at least 2 (an anchor and one draft position), found {block}")
 
 
+def _check_ids(op: str, block: int, mask_token_id: int) -> None:
+    _check_block(op, block)
+    if not 0 <= mask_token_id <= INT32_LIMIT:
+        raise ScheduleError(f"{op}: mask_token_id must be a non-negative int32, found {mask_token_id}")
+
+
+def _check_rows(op: str, sizes: Mapping[str, int], block: int) -> None:
+    if sizes[ROWS] != sizes[SEQUENCES] * block:
+        raise ScheduleError(
+            f"{op}: m={sizes[ROWS]} but nb={sizes[SEQUENCES]} sequences of block {block} give "
+            f"{sizes[SEQUENCES] * block} rows. Fix: bind m = nb * block"
+        )
+
+
 # --------------------------------------------------------------------------------------------- embed
 
 
 @dataclass(frozen=True)
 class EmbedSpec(KernelSpec):
-    """`y = table[ids] * scale`: `vocab` x `hidden` table, `m` ids."""
+    """`y = table[ids] * scale`: `vocab` x `hidden` table, `m` ids; with `block` > 0 the ids of a block
+    (block_embed: `anchors[s]`, then `mask_token_id` for the rest of sequence s's `block` rows)."""
 
     vocab: int
     hidden: int
     scale: float = 1.0
     table_dtype: str = "bfloat16"
     out_dtype: str = "bfloat16"
+    block: int = 0
+    mask_token_id: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
+        if self.block:
+            _check_ids("block_embed", self.block, self.mask_token_id)
         if self.vocab <= 0 or self.hidden <= 0:
             raise ScheduleError(f"embed: table [{self.vocab}, {self.hidden}] must have positive sizes")
+        if self.block and self.mask_token_id >= self.vocab:
+            raise ScheduleError(
+                f"block_embed: mask_token_id {self.mask_token_id} is past the table's {self.vocab} rows. Fix: a "
+                "mask token of the target's vocabulary"
+            )
         if self.vocab * self.hidden > INT32_LIMIT:
             raise ScheduleError(
                 f"embed: a [{self.vocab}, {self.hidden}] table has more than 2^31 elements and the kernel indexes "
@@ -78,11 +105,17 @@ class EmbedSpec(KernelSpec):
         if not self.name:
             scale = "" if float(self.scale) == 1.0 else f"_scale{number_tag(self.scale)}"
             tag = dtype_tag(self.table_dtype, self.out_dtype)
-            object.__setattr__(self, "name", f"embed_v{self.vocab}_h{self.hidden}{scale}{tag}")
+            block = f"_b{self.block}_mask{self.mask_token_id}" if self.block else ""
+            object.__setattr__(self, "name", f"embed{block}_v{self.vocab}_h{self.hidden}{scale}{tag}")
+
+    @property
+    def op(self) -> Op:
+        return Op.BLOCK_EMBED if self.block else Op.EMBED
 
     def params(self) -> tuple[Param, ...]:
+        ids = Param("anchors", "int32", (SEQUENCES,)) if self.block else Param("ids", "int32", (ROWS,))
         return (
-            Param("ids", "int32", (ROWS,)),
+            ids,
             Param("table", self.table_dtype, (self.vocab, self.hidden)),
             Param("y", self.out_dtype, (ROWS, self.hidden), "out"),
         )
@@ -91,42 +124,71 @@ class EmbedSpec(KernelSpec):
         from tvm import te, tirx
 
         rows = tirx.Var(ROWS, "int32")
-        ids = te.placeholder((rows,), "int32", name="ids")
         table = te.placeholder((self.vocab, self.hidden), self.table_dtype, name="table")
         scale = float(self.scale)
+        if self.block:
+            ids = te.placeholder((tirx.Var(SEQUENCES, "int32"),), "int32", name="anchors")
+            mask = tirx.const(self.mask_token_id, "int32")
+
+            def row_id(i: Any) -> Any:
+                return tirx.if_then_else(tirx.floormod(i, self.block) == 0, ids[tirx.floordiv(i, self.block)], mask)
+        else:
+            ids = te.placeholder((rows,), "int32", name="ids")
+
+            def row_id(i: Any) -> Any:
+                return ids[i]
 
         def combine(values: list[Any]) -> Any:
             return values[0] if scale == 1.0 else values[0].astype("float32") * scale  # 1.0: an exact copy
 
         return rowwise_func(
             self.name,
-            Op.EMBED,
+            self.op,
             [ids, table],
             rows,
             self.hidden,
-            [lambda i, j: table[ids[i], j]],
+            [lambda i, j: table[row_id(i), j]],
             combine,
             self.out_dtype,
         )
+
+    def node(self) -> Node:
+        attrs = {"block": self.block, "mask_token_id": self.mask_token_id} if self.block else {}
+        return Node.make(self.op, [TensorType(self.out_dtype, (ROWS, self.hidden))], scale=self.scale, **attrs)
 
     def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         from dflash_compiler.ir import evaluate_node
 
         # Only the rows the ids name go to numpy: converting a 151936 x 4096 table to f32 takes seconds.
-        rows, index = np.unique(np.asarray(arrays["ids"], np.int64), return_inverse=True)
-        node = Node.make(Op.EMBED, [TensorType(self.out_dtype, (ROWS, self.hidden))], scale=self.scale)
-        (y,) = evaluate_node(node, [index.reshape(-1).astype(np.int32), arrays["table"][rows]])
+        ids = arrays["anchors" if self.block else "ids"]
+        rows, index = np.unique(np.asarray(ids, np.int64), return_inverse=True)
+        if self.block:  # the mask token's row too, after the anchors' (their indices are unchanged)
+            rows = np.append(rows, self.mask_token_id)
+        index = index.reshape(-1).astype(np.int32)
+        # the node of the reduced table: the mask token is its last row
+        node = Node.make(self.op, [TensorType(self.out_dtype, (ROWS, self.hidden))], scale=self.scale,
+                         **({"block": self.block, "mask_token_id": len(rows) - 1} if self.block else {}))  # fmt: skip
+        (y,) = evaluate_node(node, [index, arrays["table"][rows]])
         return {"y": np.asarray(y, np.float32)}
 
     def bytes_moved(self, sizes: Mapping[str, int]) -> int:
-        """DRAM bytes of one call: the ids, the m table rows they name and the output (not the whole table)."""
+        """DRAM bytes of one call: the ids (anchors), the m table rows they name and the output (not the whole
+        table)."""
         per_row = self.hidden * (ITEM_BYTES[self.table_dtype] + ITEM_BYTES[self.out_dtype])
-        return sizes[ROWS] * (ITEM_BYTES["int32"] + per_row)
+        ids = sizes[SEQUENCES] if self.block else sizes[ROWS]
+        return ITEM_BYTES["int32"] * ids + sizes[ROWS] * per_row
 
     def sample(self, rng: np.random.Generator, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         rows = sizes[ROWS]
+        if self.block:
+            _check_rows("block_embed", sizes, self.block)
+            # anchors differ from the mask id, so a swapped branch shows
+            ids = {"anchors": (self.mask_token_id + 1 + rng.integers(0, self.vocab - 1, sizes[SEQUENCES],
+                                                                     dtype=np.int32)) % self.vocab}  # fmt: skip
+        else:
+            ids = {"ids": rng.integers(0, self.vocab, rows, dtype=np.int32)}
         return {
-            "ids": rng.integers(0, self.vocab, rows, dtype=np.int32),
+            **ids,
             "table": _table_sample(rng, (self.vocab, self.hidden), self.table_dtype),
             "y": np.zeros((rows, self.hidden), numpy_dtype(self.out_dtype)),
         }
@@ -160,9 +222,7 @@ class BlockIdsSpec(KernelSpec):
     name: str = ""
 
     def __post_init__(self) -> None:
-        _check_block("block_ids", self.block)
-        if not 0 <= self.mask_token_id <= INT32_LIMIT:
-            raise ScheduleError(f"block_ids: mask_token_id must be a non-negative int32, found {self.mask_token_id}")
+        _check_ids("block_ids", self.block, self.mask_token_id)
         if not self.name:
             object.__setattr__(self, "name", f"block_ids_b{self.block}_mask{self.mask_token_id}")
 
@@ -194,11 +254,7 @@ class BlockIdsSpec(KernelSpec):
 
     def sample(self, rng: np.random.Generator, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         sequences = sizes[SEQUENCES]
-        if sizes[ROWS] != sequences * self.block:
-            raise ScheduleError(
-                f"block_ids: m={sizes[ROWS]} but nb={sequences} sequences of block {self.block} give "
-                f"{sequences * self.block} ids. Fix: bind m = nb * block"
-            )
+        _check_rows("block_ids", sizes, self.block)
         # Anchors differ from the mask id so a swapped branch shows.
         anchors = rng.integers(0, max(self.mask_token_id, 2), sequences, dtype=np.int32)
         return {"anchors": anchors, "ids": np.full(sizes[ROWS], -1, np.int32)}
@@ -288,7 +344,7 @@ _SPECS = (EmbedSpec, BlockIdsSpec, DropAnchorSpec)
 
 
 class EmbedRule(FamilyRule):
-    """embed, block_ids and drop_anchor nodes (bf16/f32 rows, int32 ids), or their specs.
+    """embed, block_embed, block_ids and drop_anchor nodes (bf16/f32 rows, int32 ids), or their specs.
 
     Knobs: `threads` per block (a multiple of the warp size) and `vector_bytes` per access (2, 4, 8, 16;
     block_ids writes one int32 per thread and ignores it).
@@ -307,7 +363,7 @@ class EmbedRule(FamilyRule):
         if not isinstance(subject, OpInstance):
             return None
         try:
-            if subject.op is Op.EMBED:
+            if subject.op in (Op.EMBED, Op.BLOCK_EMBED):
                 return _embed_spec(subject)
             if subject.op is Op.BLOCK_IDS:
                 return _block_ids_spec(subject)
@@ -334,16 +390,19 @@ class EmbedRule(FamilyRule):
 def _embed_spec(inst: OpInstance) -> EmbedSpec | None:
     if len(inst.inputs) != 2 or len(inst.outputs) != 1:
         return None
-    ids, table = inst.inputs
+    ids, table = inst.inputs  # block_embed: the anchors
     (out,) = inst.outputs
     if ids.dtype != "int32" or len(ids.shape) != 1 or len(table.shape) != 2 or len(out.shape) != 2:
         return None
     vocab, hidden = table.shape
-    if not isinstance(vocab, int) or not isinstance(hidden, int) or out.shape != (ids.shape[0], hidden):
+    block = inst.op is Op.BLOCK_EMBED
+    if not isinstance(vocab, int) or not isinstance(hidden, int) or out.shape[1] != hidden:
         return None
-    return EmbedSpec(
-        vocab=vocab, hidden=hidden, scale=float(inst.attr("scale")), table_dtype=table.dtype, out_dtype=out.dtype
-    )
+    if not block and out.shape[0] != ids.shape[0]:
+        return None
+    ids_of = {"block": int(inst.attr("block")), "mask_token_id": int(inst.attr("mask_token_id"))} if block else {}
+    return EmbedSpec(vocab=vocab, hidden=hidden, scale=float(inst.attr("scale")), table_dtype=table.dtype,
+                     out_dtype=out.dtype, **ids_of)  # fmt: skip
 
 
 def _block_ids_spec(inst: OpInstance) -> BlockIdsSpec | None:

@@ -1,10 +1,14 @@
-"""Linear layers: matmul, matmul_fp8 and lm_head, `y[i, j] = sum_k x[i, k] * W[j, k]` (times scale[j] for FP8).
+"""Linear layers: matmul, matmul_fp8 and lm_head, `y[i, j] = sum_k x[i, k] * W[j, k]` (times scale[j] for FP8),
+lm_head_argmax, `ids[i] = argmax_j y[i, j]` (lowest j on ties), and matmul_silu, silu(gate) · up of a gate|up
+projection whose weight rows alternate 8 gate and 8 up rows (`silu_out[i, c]` from y[i, 16 (c // 8) + c % 8]
+and y[i, 16 (c // 8) + 8 + c % 8]), y never stored for either.
 
 `x` is bf16 `[m, k]` with `m` rows symbolic (int32: block rows nb*blk, or context rows ctx), `W` is `[n, k]`
 bf16 or float8_e4m3fn (then a float32 per-output-row `scale[n]` follows it), the sum is f32, and `y` is bf16
-(matmul, matmul_fp8) or float32 (lm_head logits). The numpy reference is the graph interpreter's.
+(matmul, matmul_fp8, matmul_silu), float32 (lm_head logits) or int32 `[m]` (lm_head_argmax's ids). The numpy
+reference is the graph interpreter's.
 
-Two rules:
+Four rules:
 
 * `LinearMmaRule` — the hot path: a tensor-core GEMV (`linear_mma.py`) that streams the weight once with
   16-byte loads and feeds the rows of `x` to `mma.sync.m16n8k16` as its 8-wide N dimension, and above
@@ -12,6 +16,9 @@ Two rules:
   `mma.sync`; on targets with warpgroup MMA, `linear_wgmma.py` on `wgmma.mma_async`).
   It takes every n and any k that is a multiple of one k step (32 for bf16 weights, 64 for FP8), on targets
   with bf16 mma.
+* `LinearArgmaxRule` — lm_head_argmax: LinearMmaRule's small tiled kernel and GEMM with the argmax
+  epilogue of `linear_argmax.py` instead of the store (the logits never reach memory).
+* `LinearSiluRule` — matmul_silu: the same kernels, whose store writes silu(gate) · up.
 * `LinearGemvRule` — the generic fallback (SIMT): one block per (column, group of rows), threads split k
   with vector loads and meet in a cross-thread reduction (TVM_NOTES §3b). Any n, k and m.
 """
@@ -24,20 +31,37 @@ from typing import Any
 
 import numpy as np
 
+from dflash_compiler.cluster import MAX_PORTABLE
 from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
 
-from .base import FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError
+from .argmax import RANK_BASE, chunk_partials, coarse_bf16, default_chunk, index_of, merge_partials
+from .base import EXACT, FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError, Tolerance
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 from .linear_tiled import TILED_KNOBS, TiledPlan
-from .linear_wgmma import WGMMA_KNOBS, WgmmaPlan
+from .linear_wgmma import CLUSTER_REDUCE, KERNEL_REDUCE, WGMMA_KNOBS, WgmmaPlan
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
-BF16, FP8, F32 = "bfloat16", "float8_e4m3fn", "float32"
-ITEM_BYTES = {BF16: 2, FP8: 1, F32: 4}
-_OPS = {Op.MATMUL.value: (BF16,), Op.MATMUL_FP8.value: (FP8,), Op.LM_HEAD.value: (BF16, FP8)}
-_DEFAULT_OUT = {Op.MATMUL.value: BF16, Op.MATMUL_FP8.value: BF16, Op.LM_HEAD.value: F32}
+BF16, FP8, F32, I32 = "bfloat16", "float8_e4m3fn", "float32", "int32"
+ITEM_BYTES = {BF16: 2, FP8: 1, F32: 4, I32: 4}
+_OPS = {
+    Op.MATMUL.value: (BF16,),
+    Op.MATMUL_FP8.value: (FP8,),
+    Op.LM_HEAD.value: (BF16, FP8),
+    Op.LM_HEAD_ARGMAX.value: (BF16, FP8),
+    Op.MATMUL_SILU.value: (BF16, FP8),
+}
+_DEFAULT_OUT = {
+    Op.MATMUL.value: BF16,
+    Op.MATMUL_FP8.value: BF16,
+    Op.LM_HEAD.value: F32,
+    Op.LM_HEAD_ARGMAX.value: I32,
+    Op.MATMUL_SILU.value: BF16,
+}
+# ops whose FP8 form keeps the op: named _fp8
+_FP8_NAMED = (Op.LM_HEAD.value, Op.LM_HEAD_ARGMAX.value, Op.MATMUL_SILU.value)
+SILU_GROUP = 8  # matmul_silu: gate and up rows interleaved 8 at a time (ir_passes/fuse_gate_up_silu.py)
 _OP_ATTR = "dflash.op"
 # the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
@@ -70,15 +94,26 @@ class LinearSpec(KernelSpec):
             )
         if not self.out_dtype:
             object.__setattr__(self, "out_dtype", _DEFAULT_OUT[self.op])
-        if self.out_dtype not in (BF16, F32):
-            raise ScheduleError(f"linear: output dtype must be bfloat16 or float32, found {self.out_dtype}")
+        if self.picks != (self.out_dtype == I32) or self.out_dtype not in (BF16, F32, I32):
+            expected = "int32 ids" if self.picks else "bfloat16 or float32"
+            raise ScheduleError(f"linear: {self.op}'s output dtype must be {expected}, found {self.out_dtype}")
+        if self.silu and (self.n % (2 * SILU_GROUP) or self.out_dtype != BF16):
+            raise ScheduleError(
+                f"linear: {self.op} takes gate|up rows interleaved {SILU_GROUP} at a time into bf16 outputs; found "
+                f"n={self.n} (expected a multiple of {2 * SILU_GROUP}), output {self.out_dtype}"
+            )
+        if self.picks and self.n >= RANK_BASE:
+            raise ScheduleError(
+                f"linear: {self.op} ranks ids as float32 (exact below 2^24), found n={self.n}. Fix: keep the lm_head "
+                "and its argmax apart (their kernels split the vocabulary)"
+            )
         if self.n * self.k >= 2**31:
             raise ScheduleError(
                 f"linear: the weight has {self.n * self.k} elements; the kernels index it with int32 (< 2^31). "
                 "Fix: split the linear along n"
             )
         if not self.name:
-            fp8 = "_fp8" if self.op == Op.LM_HEAD.value and self.fp8 else ""
+            fp8 = "_fp8" if self.op in _FP8_NAMED and self.fp8 else ""
             out = "" if self.out_dtype == _DEFAULT_OUT[self.op] else "_f32" if self.out_dtype == F32 else "_bf16"
             object.__setattr__(self, "name", f"{self.op}{fp8}_n{self.n}_k{self.k}{out}")
 
@@ -86,27 +121,52 @@ class LinearSpec(KernelSpec):
     def fp8(self) -> bool:
         return self.weight_dtype == FP8
 
+    @property
+    def picks(self) -> bool:
+        """The output is each row's argmax over the n outputs (lm_head_argmax), not the outputs."""
+        return self.op == Op.LM_HEAD_ARGMAX.value
+
+    @property
+    def silu(self) -> bool:
+        """The output is silu(gate) * up of the n outputs' interleaved gate and up rows (matmul_silu)."""
+        return self.op == Op.MATMUL_SILU.value
+
+    @property
+    def tiled_only(self) -> bool:
+        """Its epilogue is the tiled kernels' (small tiled and GEMM, one k split): not GEMV mode's."""
+        return self.picks or self.silu
+
+    @property
+    def out_shape(self) -> tuple[Any, ...]:
+        return self.out_dims(ROWS)
+
+    def out_dims(self, rows: Any) -> tuple[Any, ...]:
+        """The output's shape for `rows` rows of x (a count, a name or a TVM variable)."""
+        return (rows,) if self.picks else (rows, self.n // 2) if self.silu else (rows, self.n)
+
     def params(self) -> tuple[Param, ...]:
         scale = (Param("scale", F32, (self.n,)),) if self.fp8 else ()
         return (
             Param("x", BF16, (ROWS, self.k)),
             Param("w", self.weight_dtype, (self.n, self.k)),
             *scale,
-            Param("y", self.out_dtype, (ROWS, self.n), "out"),
+            Param("y", self.out_dtype, self.out_shape, "out"),  # lm_head_argmax: the ids
         )
 
     def prim_func(self) -> Any:
         return linear_func(self)
 
     def bytes_moved(self, sizes: Mapping[str, int]) -> int:
-        """DRAM bytes one call must move: the weight (and FP8 scales) once, x read, y written."""
+        """DRAM bytes one call must move: the weight (and FP8 scales) once, x read, y (or the ids) written."""
         rows = sizes[ROWS]
         weight = self.n * self.k * ITEM_BYTES[self.weight_dtype] + (4 * self.n if self.fp8 else 0)
-        return weight + rows * self.k * ITEM_BYTES[BF16] + rows * self.n * ITEM_BYTES[self.out_dtype]
+        out = int(np.prod(self.out_dims(rows))) * ITEM_BYTES[self.out_dtype]
+        return weight + rows * self.k * ITEM_BYTES[BF16] + out
 
     def node(self) -> Node:
         """The graph node this spec computes (the reference evaluates it with the graph interpreter)."""
-        return Node.make(Op(self.op), [TensorType(self.out_dtype, (ROWS, self.n))])
+        attrs = {"group": SILU_GROUP} if self.silu else {}
+        return Node.make(Op(self.op), [TensorType(self.out_dtype, self.out_shape)], **attrs)
 
     def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         from dflash_compiler.ir import evaluate_node
@@ -115,17 +175,45 @@ class LinearSpec(KernelSpec):
         (y,) = evaluate_node(self.node(), args)
         return {"y": y}
 
+    def tolerance(self, param: str) -> Tolerance:
+        # ids are picked from exact sums (sample's coarse values), so they must agree bit for bit
+        return EXACT if self.picks else super().tolerance(param)
+
     def sample(self, rng: np.random.Generator, sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
         import ml_dtypes
 
         rows = sizes[ROWS]
-        x = rng.standard_normal((rows, self.k), dtype=np.float32).astype(ml_dtypes.bfloat16)
-        out_type = ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32
-        arrays = {"x": x, "w": random_weight(rng, (self.n, self.k), self.weight_dtype)}
+        if self.picks:
+            # multiples of 1/8 in [-1, 1] (exact in e4m3 too): every sum is exact in f32 whatever its order,
+            # so a kernel's ids agree with numpy's bit for bit, the many ties included
+            x = coarse_bf16(rng, (rows, self.k))
+            w = coarse_bf16(rng, (self.n, self.k)).astype(ml_dtypes.float8_e4m3fn if self.fp8 else ml_dtypes.bfloat16)
+        else:
+            x = rng.standard_normal((rows, self.k), dtype=np.float32).astype(ml_dtypes.bfloat16)
+            w = random_weight(rng, (self.n, self.k), self.weight_dtype)
+        arrays = {"x": x, "w": w}
         if self.fp8:
             arrays["scale"] = rng.uniform(0.005, 0.02, self.n).astype(np.float32)
-        arrays["y"] = np.zeros((rows, self.n), out_type)
+        if self.picks:
+            tie_at_the_max(arrays, self.n)
+            arrays["y"] = np.full(self.out_dims(rows), -7, np.int32)
+        else:
+            arrays["y"] = np.zeros(self.out_dims(rows), ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32)
         return arrays
+
+
+def tie_at_the_max(arrays: dict[str, np.ndarray], n: int) -> None:
+    """Copy the best weight row (and scale) of x rows 0, 1 and 2 to another row, half the weight, 8 and 1 rows
+    on: their best logit then ties across blocks, across the two halves of a 16-row tile and across lanes,
+    and only the lower id is right."""
+    w = arrays["w"].astype(np.float32)
+    for row, offset in zip(range(len(arrays["x"])), (n // 2, 8, 1), strict=False):
+        logits = w @ arrays["x"][row].astype(np.float32) * arrays.get("scale", 1.0)
+        best = int(np.argmax(logits))
+        twin = (best + offset) % n
+        arrays["w"][twin], w[twin] = arrays["w"][best], w[best]
+        if "scale" in arrays:
+            arrays["scale"][twin] = arrays["scale"][best]
 
 
 def random_weight(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np.ndarray:
@@ -159,13 +247,29 @@ def linear_func(spec: LinearSpec) -> Any:
         return e4m3_to_f32(w[j, kk]) if spec.fp8 else w[j, kk].astype(F32)
 
     acc = te.compute((m, spec.n), lambda i, j: te.sum(x[i, r].astype(F32) * weight(j, r), axis=r), name="acc")
+    out = F32 if spec.tiled_only else spec.out_dtype
     if spec.fp8:
         scale = te.placeholder((spec.n,), F32, name="scale")
-        y = te.compute((m, spec.n), lambda i, j: (acc[i, j] * scale[j]).astype(spec.out_dtype), name="y")
+        y = te.compute((m, spec.n), lambda i, j: (acc[i, j] * scale[j]).astype(out), name="y")
         inputs = [x, w, scale]
     else:
-        y = te.compute((m, spec.n), lambda i, j: acc[i, j].astype(spec.out_dtype), name="y")
+        y = te.compute((m, spec.n), lambda i, j: acc[i, j].astype(out), name="y")
         inputs = [x, w]
+    if spec.silu:  # silu(gate) * up of each feature's interleaved gate and up outputs
+
+        def act(i: Any, c: Any) -> Any:
+            gate, up = (
+                y[i, c // SILU_GROUP * 2 * SILU_GROUP + c % SILU_GROUP],
+                y[i, c // SILU_GROUP * 2 * SILU_GROUP + SILU_GROUP + c % SILU_GROUP],
+            )
+            return (gate / (1.0 + te.exp(-gate)) * up).astype(spec.out_dtype)
+
+        y = te.compute((m, spec.n // 2), act, name="act")
+    if spec.picks:  # the argmax of the logits y, as ARGMAX computes it
+        chunk = default_chunk(spec.n)
+        part = chunk_partials("part", (m,), spec.n, chunk, lambda i, j: y[i, j])
+        best = merge_partials("best", (m,), part, -(-spec.n // chunk))
+        y = te.compute((m,), lambda i: index_of(best[0][i]), name="y")
     func = te.create_prim_func([*inputs, y])
     attrs = {"global_symbol": spec.name, _OP_ATTR: spec.op, "dflash.n": spec.n, "dflash.k": spec.k}
     for key, value in attrs.items():
@@ -200,7 +304,8 @@ def spec_of(subject: Any) -> LinearSpec | None:
     if len(inputs) not in (2, 3) or len(outputs) != 1:
         return None
     x, w, out = inputs[0], inputs[1], outputs[0]
-    if len(x.shape) != 2 or len(w.shape) != 2 or len(out.shape) != 2:
+    picks, silu = subject.op is Op.LM_HEAD_ARGMAX, subject.op is Op.MATMUL_SILU
+    if len(x.shape) != 2 or len(w.shape) != 2 or len(out.shape) != (1 if picks else 2):
         return None
     n, k = w.shape
     if not isinstance(n, int) or not isinstance(k, int) or x.dtype != BF16 or x.shape[1] != k:
@@ -208,7 +313,9 @@ def spec_of(subject: Any) -> LinearSpec | None:
     fp8 = len(inputs) == 3
     if fp8 != (w.dtype == FP8) or (fp8 and (inputs[2].dtype != F32 or inputs[2].shape != (n,))):
         return None
-    if out.dtype not in (BF16, F32) or out.shape[1] != n:
+    if picks and out.dtype != I32:
+        return None
+    if not picks and (out.dtype not in (BF16, F32) or out.shape[1] != (n // 2 if silu else n)):
         return None
     try:
         return LinearSpec(op=subject.op.value, n=n, k=k, weight_dtype=w.dtype, out_dtype=out.dtype)
@@ -238,7 +345,8 @@ class LinearMmaRule(FamilyRule):
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
     (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma) makes that
     GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
-    `wgmma_k_atoms`, `wgmma_k_splits` and `wgmma_mma_groups` (WgmmaPlan; 0 takes `wgmma_defaults`); the
+    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups` and `wgmma_k_reduce` (WgmmaPlan; 0 takes
+    `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8); the
     other GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x
     per block, that many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k
@@ -281,7 +389,8 @@ class LinearMmaRule(FamilyRule):
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
-        return spec_of(subject)
+        spec = spec_of(subject)
+        return None if spec is None or spec.tiled_only else spec  # LinearArgmaxRule, LinearSiluRule
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)
@@ -337,6 +446,13 @@ class LinearMmaRule(FamilyRule):
             )
         gemm = self._gemm_plan(spec, target, knobs)
         small = small_tiled_plan(spec, target, knobs) if gemm and knobs["gemv_tiled_stages"] else None
+        if spec.tiled_only and (small is None or gemm is None or gemm.k_splits != 1):
+            raise ScheduleError(
+                f"{self.name} knobs x_stages={plan.x_stages}, gemm_rows={rows}, gemv_tiled_stages="
+                f"{knobs['gemv_tiled_stages']}, k splits {gemm.k_splits if gemm else None} on {spec.name}: its "
+                "epilogue runs on the small tiled kernel and the GEMM, whose blocks each hold whole sums. Fix: "
+                "x_stages 0, gemm_rows > 0, gemv_tiled_stages > 0 and gemm_k_splits / wgmma_k_splits 1"
+            )
         return plan, gemm, small, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
@@ -424,6 +540,36 @@ class LinearMmaRule(FamilyRule):
         return self._func(spec, target, knobs)[3]
 
 
+class _TiledEpilogueRule(LinearMmaRule):
+    """LinearMmaRule's tiled kernels (the small tiled kernel up to gemm_rows rows, the tiled or warpgroup GEMM
+    above) for one op whose epilogue replaces the store. Same knobs and defaults as LinearMmaRule, under the
+    subclass's own name so that knobs chosen for the linears (GEMM mode, k splits) do not reach it. Refused:
+    `x_stages` > 0 and `gemv_tiled_stages` 0 (the kernels that keep their accumulators in GEMV-mode registers
+    have no such epilogue) and k splits (an epilogue takes whole sums)."""
+
+    op: Op
+
+    def spec_of(self, subject: Any) -> LinearSpec | None:
+        spec = spec_of(subject)
+        return spec if spec is not None and spec.op == self.op.value else None
+
+
+class LinearArgmaxRule(_TiledEpilogueRule):
+    """lm_head_argmax with the argmax epilogue of `linear_argmax.py`, each kernel followed by its merge of the
+    blocks' picks."""
+
+    name = "linear_argmax"
+    op = Op.LM_HEAD_ARGMAX
+
+
+class LinearSiluRule(_TiledEpilogueRule):
+    """matmul_silu, the store writing silu(gate) · up of each feature's interleaved gate and up rows
+    (linear_tiled.store_macro)."""
+
+    name = "linear_silu"
+    op = Op.MATMUL_SILU
+
+
 def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     """The GEMM kernel's shape by weight, from the H200 sweeps (bench/linear.py --gemm; µs at 128 / 256 rows,
     against linear_mma's x-ring GEMM mode). Every block has 4 warps, 2 along n by 2 along m, and 128 rows of x.
@@ -452,7 +598,8 @@ def tiled_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
                      k_steps=shape["k_steps"], vector=vector)  # fmt: skip
     stages = max(2, min(shape["stages"], target.shared_memory_per_sm // 2 // plan.stage_bytes()))
     blocks = -(-spec.n // plan.block_n)
-    splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] else 1
+    # the argmax and silu epilogues (tiled_only) take whole sums: no k split
+    splits = min(8, -(-shape["per_sm"] * target.sm_count // blocks)) if shape["per_sm"] and not spec.tiled_only else 1
     return {**plan.knobs(), "stages": stages, "k_splits": splits}
 
 
@@ -508,13 +655,14 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
             continue
         slots = blocks_per_sm * target.sm_count
         tiles = -(-spec.n // plan.block_n)
-        for splits in (s for s in range(1, 9) if atoms % s == 0):
+        # the argmax and silu epilogues (tiled_only) take whole sums: no k split
+        for splits in (s for s in range(1, 2 if spec.tiled_only else 9) if atoms % s == 0):
             blocks = tiles * splits
             cost = -(-blocks // slots) * slots / blocks + partial_bytes * splits / weight_bytes
             key = (round(cost, 3), splits, order)
             if best is None or key < best[0]:
                 best = (key, {"warpgroups": groups, "block_m": 128, "stages": stages, "k_atoms": 1,
-                              "k_splits": splits, "mma_groups": mma_groups})  # fmt: skip
+                              "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
     return best[1]
@@ -541,6 +689,11 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             "(wait for each slot's wgmmas) or 2 (one slot's stay in flight) groups, and more slots than groups "
             "(a slot's copies fly while the groups' slots are read)"
         )
+    if values["k_reduce"] not in (KERNEL_REDUCE, CLUSTER_REDUCE):
+        raise ScheduleError(
+            f"{rule} knob wgmma_k_reduce={values['k_reduce']}: expected {KERNEL_REDUCE} (the k splits' partial sums "
+            f"through a workspace and a merge kernel) or {CLUSTER_REDUCE} (added in a thread block cluster)"
+        )
     if values["block_m"] % 8 or values["block_m"] > 256:
         raise ScheduleError(f"{rule} knob wgmma_block_m={values['block_m']}: wgmma's N is a multiple of 8 up to 256")
     if WARP * 4 * values["warpgroups"] > target.max_threads_per_block:
@@ -549,14 +702,25 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             f"{target.max_threads_per_block // (4 * WARP)} warpgroups per block on {target.name}"
         )
     atoms = spec.k // 64
-    splits = _largest_divisor(atoms, values["k_splits"])
+    cluster = values["k_reduce"] == CLUSTER_REDUCE
+    # a cluster holds at most MAX_PORTABLE blocks; a single split has nothing to add (reported as KERNEL_REDUCE)
+    splits = _largest_divisor(atoms, min(values["k_splits"], MAX_PORTABLE) if cluster else values["k_splits"])
     per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_atoms"] and (atoms // splits) % p == 0)
-    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot}, weight_bytes=ITEM_BYTES[spec.weight_dtype])
-    if plan.shared_bytes() > target.max_shared_memory_per_block:
+    reduce = values["k_reduce"] if splits > 1 else KERNEL_REDUCE
+    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot, "k_reduce": reduce},
+                     weight_bytes=ITEM_BYTES[spec.weight_dtype])  # fmt: skip
+    limit = target.max_shared_memory_per_block
+    if plan.reduce_bytes() > limit:
+        raise ScheduleError(
+            f"{rule}: the cluster's f32 tile of {plan.block_m} rows of x by {plan.block_n} weight rows needs "
+            f"{plan.reduce_bytes()} bytes of shared memory; {target.name} allows {limit}. Fix: lower wgmma_block_m "
+            "or wgmma_warpgroups, or wgmma_k_reduce 1"
+        )
+    if plan.shared_bytes() > limit:
         raise ScheduleError(
             f"{rule}: wgmma stages {plan.stages} x {plan.stage_bytes()} bytes of {plan.block_n} weight rows and "
             f"{plan.block_m} rows of x need {plan.shared_bytes()} bytes of shared memory; {target.name} allows "
-            f"{target.max_shared_memory_per_block}. Fix: lower wgmma_stages, wgmma_k_atoms or wgmma_block_m"
+            f"{limit}. Fix: lower wgmma_stages, wgmma_k_atoms or wgmma_block_m"
         )
     return plan
 
@@ -731,7 +895,8 @@ class LinearGemvRule(FamilyRule):
         return {"threads": 4 * target.warp_size, "rows_per_block": 4, "vector_bytes": 16}
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
-        return spec_of(subject)
+        spec = spec_of(subject)
+        return None if spec is None or spec.tiled_only else spec  # their epilogues are the tiled kernels'
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT
 
 from .base import ScheduleError
+from .linear_argmax import pick_blocks
 from .linear_tiled import TiledPlan, tiled_body_macro
 from .linear_wgmma import WgmmaPlan, wgmma_body_macro
 from .mma import a_fragments_macro, mma_m16n8k16
@@ -160,7 +161,7 @@ def mma_gemv_func(
     """
     from tvm.script import tirx as T
 
-    n, k = spec.n, spec.k
+    n, k, picks = spec.n, spec.k, spec.picks
     out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
     body = _body_macro(spec, plan)
     if small is not None and (gemm is None or small.k_splits != 1):
@@ -168,11 +169,21 @@ def mma_gemv_func(
             f"{spec.name}: a tiled kernel for few rows was given with gemm={gemm} and {small.k_splits} k splits; "
             "expected gemm = (rows, plan), which it shares the calls with, and one k split (it has no workspace)"
         )
+    if spec.tiled_only and (gemm is None or small is None or gemm[1].k_splits != 1):
+        raise ScheduleError(
+            f"{spec.name}: its epilogue runs on tiled kernels without k splits; found gemm={gemm}, "
+            f"small={small}. Fix: gemm_rows > 0, gemv_tiled_stages > 0 and one k split"
+        )
     if gemm is not None:
         rows, tiled = gemm
         few = body if small is None else tiled_body_macro(spec, small)
         large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
         splits = tiled.k_splits
+        # the k splits' partial sums go through a workspace unless a cluster adds them (linear_wgmma.py)
+        workspace = splits > 1 and not (isinstance(tiled, WgmmaPlan) and tiled.cluster)
+        # lm_head_argmax: each block's best (rank, value) per row, [2, m, blocks along n] (linear_argmax.py)
+        few_blocks = pick_blocks(spec, small) if small is not None else 0
+        large_blocks = pick_blocks(spec, tiled)
 
         @T.macro
         def body(x, w, scale, y, m):
@@ -180,11 +191,13 @@ def mma_gemv_func(
                 if small is None:
                     few(x, w, scale, y, m)
                 else:
-                    unused = T.sblock_alloc_buffer((1,), "float32")  # no k split: no partial sums
-                    few(x, w, scale, y, m, unused)
+                    # no k split: no partial sums (one slot of nothing unless argmax partials)
+                    few_ws = T.sblock_alloc_buffer((2, m, few_blocks) if picks else (1,), "float32")
+                    few(x, w, scale, y, m, few_ws)
             else:
                 # the k splits' partial sums (a host workspace; one slot of nothing without splits)
-                part = T.sblock_alloc_buffer((splits, m, n) if splits > 1 else (1,), "float32")
+                part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace else (1,),
+                                             "float32")  # fmt: skip
                 large(x, w, scale, y, m, part)
 
     if spec.fp8:
@@ -196,7 +209,7 @@ def mma_gemv_func(
             x = T.match_buffer(x_h, (m, k), "bfloat16")
             w = T.match_buffer(w_h, (n, k), wdtype)
             scale = T.match_buffer(s_h, (n,), "float32")
-            y = T.match_buffer(y_h, (m, n), out_dtype)
+            y = T.match_buffer(y_h, spec.out_dims(m), out_dtype)
             body(x, w, scale, y, m)
 
         return scaled
@@ -207,7 +220,7 @@ def mma_gemv_func(
         m = T.int32()
         x = T.match_buffer(x_h, (m, k), "bfloat16")
         w = T.match_buffer(w_h, (n, k), wdtype)
-        y = T.match_buffer(y_h, (m, n), out_dtype)
+        y = T.match_buffer(y_h, spec.out_dims(m), out_dtype)
         body(x, w, x, y, m)  # no scale buffer: the body reads it only for FP8 weights
 
     return plain

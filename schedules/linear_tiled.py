@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 
+from .base import ScheduleError
+from .linear_argmax import pick_macro, pick_merge_macro
 from .mma import a_fragments_macro, mma_m16n8k16
 
 if TYPE_CHECKING:
@@ -137,6 +139,9 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     a_fragments = a_fragments_macro(fp8, n_tiles, mps)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
+    picks = spec.picks
+    # lm_head_argmax's epilogue, built only for it (every macro parses its source)
+    pick, pick_merge = (pick_macro(spec, plan), pick_merge_macro(spec, plan)) if picks else (None, None)
 
     def swizzle(chunk: Any, row: Any, per_lane: int, chunks: int) -> Any:
         # eight lanes read rows r, r + 1 (r even), four chunks each (`per_lane` apart); rows of 128 bytes or
@@ -261,10 +266,14 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                         for j in T.unroll(k_warps - 1):
                                             for i in T.unroll(n_acc):
                                                 acc[i] = acc[i] + red[j, i, ty * WARP + tx]
-                                if kw == 0:
+                                if picks:
+                                    pick(scale, part, m, acc, smem, bm, bn, wn, wm, tx // 4, tx % 4, tid, kw == 0)
+                                elif kw == 0:
                                     store(scale, y, part, m, acc, bm, bn, ks, wn, wm, tx // 4, tx % 4)
         if k_splits > 1:
             merge(scale, y, part, m)
+        if picks:
+            pick_merge(part, y, m)
 
     return body
 
@@ -276,26 +285,46 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
     `plan` has `n_tiles` 16-row weight tiles by `m_tiles` 8-row x tiles per warp, `block_n` × `block_m` per
     block and `k_splits`; accumulator (nt · m_tiles + mt) · 4 + e is mma.sync's m16n8 element e of the warp's
     tile pair (nt, mt): weight row g + 8 · (e // 2) of the 16-row tile, x row 2t + e % 2 of the 8-row tile.
+    matmul_silu (`spec.silu`, one k split): a 16-row tile holds 8 features' gate rows, then their up rows
+    (ir_passes/fuse_gate_up_silu.py), so elements e and e + 2 are one feature's gate and up and the thread
+    stores silu(gate) · up at column tile · 8 + g.
     """
     from tvm.script import tirx as T
 
-    n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
+    n, fp8, out_dtype, silu = spec.n, spec.fp8, spec.out_dtype, spec.silu
     n_tiles, m_tiles, bn_rows, bm_rows, k_splits = plan.n_tiles, plan.m_tiles, plan.block_n, plan.block_m, plan.k_splits
+    if silu and k_splits > 1:  # silu of partial sums is not silu of the sum
+        raise ScheduleError(
+            f"{spec.name}: the silu epilogue needs whole sums; found a plan with {k_splits} k splits. Fix: one k "
+            "split (LinearSiluRule refuses the knobs that split k)"
+        )
+
+    def value(acc: Any, scale: Any, index: Any, j: Any) -> Any:
+        return acc[index] * scale[j] if fp8 else acc[index]
 
     @T.macro
     def store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
         for nt in T.unroll(n_tiles):
             for mt in T.unroll(m_tiles):
-                for e in T.unroll(4):
-                    i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
-                    j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
-                    if i < m and j < n:
-                        if k_splits > 1:
-                            part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
-                        elif fp8:
-                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
-                        else:
-                            y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
+                if silu:
+                    for h in T.unroll(2):
+                        i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + h)
+                        tile = T.meta_var((bn * bn_rows + (wn * n_tiles + nt) * 16) // 16)
+                        if i < m and tile * 16 < n:
+                            gate: T.let[T.float32] = value(acc, scale, (nt * m_tiles + mt) * 4 + h, tile * 16 + g)
+                            up: T.let[T.float32] = value(acc, scale, (nt * m_tiles + mt) * 4 + 2 + h, tile * 16 + 8 + g)
+                            y[i, tile * 8 + g] = T.Cast(out_dtype, gate / (T.float32(1) + T.exp(-gate)) * up)
+                else:
+                    for e in T.unroll(4):
+                        i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + e % 2)
+                        j = T.meta_var(bn * bn_rows + (wn * n_tiles + nt) * 16 + e // 2 * 8 + g)
+                        if i < m and j < n:
+                            if k_splits > 1:
+                                part[ks, i, j] = acc[(nt * m_tiles + mt) * 4 + e]
+                            elif fp8:
+                                y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
+                            else:
+                                y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
 
     return store
 

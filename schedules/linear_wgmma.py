@@ -27,9 +27,10 @@ per-row scale is applied where the accumulators are stored (or by the k-split me
 The accumulators of a warp follow mma.sync's m16n8 layout, one 16-row weight tile by block_m / 8 x tiles,
 so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m tiles, n tiles, k splits),
 the m tiles of one weight tile neighbours in launch order (the weight crosses from DRAM once), and with
-`k_splits > 1` the blocks write f32 partial sums that a second kernel adds. The first slots' weight copies
-are issued before the wait for the grid that writes x (dependent_launch.py), the next grid is let in once a
-block has issued its last weight copies.
+`k_splits > 1` the blocks write f32 partial sums that a second kernel adds, or, with `k_reduce` 2, the
+splits of a tile are one thread block cluster that adds them in shared memory (`cluster_store_macro`): no
+workspace, no second launch. The first slots' weight copies are issued before the wait for the grid that
+writes x (dependent_launch.py), the next grid is let in once a block has issued its last weight copies.
 
 The slots need a 1024-byte aligned base: the kernel's only shared memory is this dynamic allocation, and
 CUDA places dynamic shared memory at the start of the block's window, which is 1024-byte aligned. The
@@ -41,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash_compiler.cluster import ADD4, DIMS, SYNC
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
 from dflash_compiler.wgmma import (
@@ -54,6 +56,7 @@ from dflash_compiler.wgmma import (
     wait_name,
 )
 
+from .linear_argmax import pick_macro, pick_merge_macro
 from .linear_tiled import merge_macro, store_macro
 
 if TYPE_CHECKING:
@@ -64,7 +67,10 @@ WARPGROUP = 4 * WARP
 ATOM_K = SWIZZLE_BYTES // 2  # bf16 per swizzled row
 WGMMA_K = 16
 # the plan's knob fields (LinearMmaRule takes them as wgmma_<name>)
-WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups")
+WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups", "k_reduce")
+# how the k splits of a tile add up (k_reduce): a workspace and a merge kernel, or within a thread block cluster
+KERNEL_REDUCE, CLUSTER_REDUCE = 1, 2
+CLUSTER_PAD = 4  # floats past each row of the cluster's f32 tile: rows stay 16-byte aligned, banks shift
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,10 @@ class WgmmaPlan:
     block_m: int  # rows of x per block: wgmma's N (a multiple of 8, at most 256)
     stages: int  # shared-memory slots of the copy pipeline
     k_atoms: int  # 64-wide k atoms per slot
-    k_splits: int  # blocks along k (> 1: partial sums through a workspace and a second kernel)
+    k_splits: int  # blocks along k (> 1: partial sums added by a second kernel, or in a cluster: k_reduce)
     mma_groups: int = 1  # slots' wgmma groups a warpgroup has in flight: 2 keeps one running into the next slot
     weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
+    k_reduce: int = KERNEL_REDUCE  # KERNEL_REDUCE or CLUSTER_REDUCE (module docstring)
 
     # the store's view of a warp (linear_tiled.store_macro): one 16-row weight tile by block_m / 8 x tiles
     n_tiles = 1
@@ -120,8 +127,17 @@ class WgmmaPlan:
         """FP8: the bf16 tiles of a slot's weight that the wgmmas read, one per group in flight (none for bf16)."""
         return self.mma_groups * self.k_atoms * self.block_n * SWIZZLE_BYTES if self.fp8 else 0
 
+    @property
+    def cluster(self) -> bool:
+        """The k splits of a tile are one thread block cluster that adds them in shared memory."""
+        return self.k_splits > 1 and self.k_reduce == CLUSTER_REDUCE
+
+    def reduce_bytes(self) -> int:
+        """The cluster's f32 tile of a block's partial sums, over the pipeline's slots (none without one)."""
+        return self.block_m * (self.block_n + CLUSTER_PAD) * 4 if self.cluster else 0
+
     def shared_bytes(self) -> int:
-        return self.stages * self.stage_bytes() + self.converted_bytes()
+        return max(self.stages * self.stage_bytes() + self.converted_bytes(), self.reduce_bytes())
 
     def knobs(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in WGMMA_KNOBS}
@@ -146,6 +162,11 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     mma, wait = mma_name(bm_rows), wait_name(bm_rows)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
+    picks = spec.picks
+    # lm_head_argmax's epilogue, built only for it (every macro parses its source)
+    pick, pick_merge = (pick_macro(spec, plan), pick_merge_macro(spec, plan)) if picks else (None, None)
+    cluster = plan.cluster
+    cluster_store = cluster_store_macro(spec, plan) if cluster else None
 
     def w_column(c: Any, row: Any) -> Any:
         # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones
@@ -228,6 +249,8 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
                                 T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(smem[0])))
+                                if cluster:  # a tile's k splits are one cluster (dflash_compiler.cluster)
+                                    T.evaluate(T.call_extern("void", DIMS, 1, 1, k_splits))
                                 for i in T.unroll(n_acc):
                                     acc[i] = T.float32(0)
                                 for s in T.unroll(lead):
@@ -265,8 +288,70 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                         T.evaluate(T.call_extern("void", WAIT_PRIOR))
                                 if groups > 1:
                                     T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
-                                store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
-        if k_splits > 1:
+                                if picks:
+                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid, True)
+                                elif cluster:
+                                    cluster_store(scale, y, m, acc, smem, bm, bn, ks, ty, tx, tid)
+                                else:
+                                    store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
+        if k_splits > 1 and not cluster:
             merge(scale, y, part, m)
+        if picks:
+            pick_merge(part, y, m)
 
     return body
+
+
+def cluster_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
+    """A TVMScript macro `cluster_store(scale, y, m, acc, smem, bm, bn, ks, ty, tx, tid)`: the k splits of a
+    tile, launched as one cluster of `k_splits` blocks along z (block ks is the cluster's rank ks), add up
+    through distributed shared memory instead of a workspace and a merge kernel.
+
+    Each block puts its partial sums into an f32 tile `[block_m, block_n + CLUSTER_PAD]` over its pipeline
+    slots (once every copy has landed and every warpgroup has waited for its wgmmas, behind a block barrier);
+    accumulator e of x tile mt holds weight row 16 · warp + g + 8 · (e // 2) and x row 8 · mt + 2t + e % 2
+    (mma.sync's m16n8 layout, as `linear_tiled.store_macro` reads it). After a cluster barrier block ks adds
+    the x rows [ks · r, (ks + 1) · r) (r = ceil(block_m / k_splits)) of every block's tile, four columns a
+    thread per 16-byte remote load, in rank order (the sum does not depend on timing), applies the FP8 row
+    scale and stores y; a second cluster barrier keeps every block's tile alive until the last remote read.
+    """
+    from tvm.script import tirx as T
+
+    n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
+    bn_rows, bm_rows, threads, splits = plan.block_n, plan.block_m, plan.threads, plan.k_splits
+    quads = bn_rows // 4  # 16-byte column groups of a tile row
+    rows_per = -(-bm_rows // splits)  # x rows each block of the cluster adds and stores
+    chunks = rows_per * quads
+    rounds = -(-chunks // threads)
+
+    def scaled(value: Any, scale: Any, j: Any) -> Any:
+        return value * scale[j] if fp8 else value
+
+    @T.macro
+    def cluster_store(scale, y, m, acc, smem, bm, bn, ks, ty, tx, tid):
+        tile = T.decl_buffer((bm_rows, bn_rows + CLUSTER_PAD), "float32", data=smem.data, scope="shared.dyn")
+        total = T.sblock_alloc_buffer((4,), "float32", scope="local")
+        # the slots are free: every copy has landed (trailing groups are empty) and every wgmma has completed
+        T.evaluate(T.ptx["cp.async.wait_all"]())
+        T.tvm_storage_sync("shared")
+        for mt in T.unroll(plan.m_tiles):
+            for e in T.unroll(4):
+                tile[mt * 8 + tx % 4 * 2 + e % 2, ty * 16 + e // 2 * 8 + tx // 4] = acc[mt * 4 + e]
+        T.evaluate(T.call_extern("void", SYNC))
+        for r in T.unroll(rounds):
+            c = T.meta_var(r * threads + tid)
+            row = T.meta_var(ks * rows_per + c // quads)
+            col = T.meta_var(c % quads * 4)
+            if (chunks % threads == 0 or c < chunks) and row < bm_rows and bm * bm_rows + row < m:
+                for q in T.unroll(4):
+                    total[q] = T.float32(0)
+                for rank in T.unroll(splits):
+                    T.evaluate(T.call_extern("void", ADD4, T.address_of(total[0]), T.address_of(tile[row, col]), rank))
+                for q in T.unroll(4):
+                    if bn * bn_rows + col + q < n:
+                        y[bm * bm_rows + row, bn * bn_rows + col + q] = T.Cast(
+                            out_dtype, scaled(total[q], scale, bn * bn_rows + col + q)
+                        )
+        T.evaluate(T.call_extern("void", SYNC))  # no block leaves while another may read its tile
+
+    return cluster_store

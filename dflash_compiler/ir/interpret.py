@@ -188,6 +188,10 @@ def _block_ids(node: Node, args: list[np.ndarray]) -> np.ndarray:
     return ids.reshape(-1)
 
 
+def _embed(node: Node, ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    return _f32(table)[np.asarray(ids, np.int64)] * float(node.attr("scale"))
+
+
 def _drop_anchor(node: Node, args: list[np.ndarray]) -> np.ndarray:
     x = _f32(args[0])
     blk = int(node.attr("block"))
@@ -197,6 +201,23 @@ def _drop_anchor(node: Node, args: list[np.ndarray]) -> np.ndarray:
 def _matmul_fp8(node: Node, args: list[np.ndarray]) -> np.ndarray:
     x, w8, scale = args
     return (_f32(x) @ _f32(w8).T) * _f32(scale)[None, :]
+
+
+def _linear(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """x @ W.T, times the per-row scales in the FP8 form (x, W8, scale)."""
+    return _matmul_fp8(node, args) if len(args) == 3 else _f32(args[0]) @ _f32(args[1]).T
+
+
+def _matmul_silu(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    y = _linear(node, args)  # x @ W.T, times the scales for an FP8 weight
+    group = int(node.attr("group"))
+    pairs = y.reshape(y.shape[0], -1, 2, group)  # per row: (gate, up) blocks of `group` columns
+    gate, up = pairs[:, :, 0].reshape(y.shape[0], -1), pairs[:, :, 1].reshape(y.shape[0], -1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def _argmax(logits: np.ndarray) -> np.ndarray:
+    return np.argmax(_f32(logits), axis=-1).astype(np.int32)
 
 
 def _silu_mul(node: Node, args: list[np.ndarray]) -> np.ndarray:
@@ -237,15 +258,18 @@ def _head_prep(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, ...]:
 _Impl = Callable[[Node, list[np.ndarray]], np.ndarray | tuple[np.ndarray, ...]]
 
 _IMPL: dict[Op, _Impl] = {
-    Op.EMBED: lambda n, a: _f32(a[1])[np.asarray(a[0], np.int64)] * float(n.attr("scale")),
+    Op.EMBED: lambda n, a: _embed(n, a[0], a[1]),
     Op.BLOCK_IDS: _block_ids,
+    Op.BLOCK_EMBED: lambda n, a: _embed(n, _block_ids(n, a[:1]), a[1]),
     Op.SLICE: lambda n, a: a[0][:, int(n.attr("start")) : int(n.attr("stop"))],
     Op.DROP_ANCHOR: _drop_anchor,
     Op.KV_WRITE: _kv_write,
     Op.KV_WRITES: _kv_writes,
-    Op.MATMUL: lambda n, a: _f32(a[0]) @ _f32(a[1]).T,
+    Op.MATMUL: _linear,
     Op.MATMUL_FP8: _matmul_fp8,
-    Op.LM_HEAD: lambda n, a: _matmul_fp8(n, a) if len(a) == 3 else _f32(a[0]) @ _f32(a[1]).T,
+    Op.LM_HEAD: _linear,
+    Op.LM_HEAD_ARGMAX: lambda n, a: _argmax(_linear(n, a)),
+    Op.MATMUL_SILU: _matmul_silu,
     Op.RMSNORM: lambda n, a: _rms(a[0], a[1], float(n.attr("eps"))),
     Op.RMSNORM_RESIDUAL: _rmsnorm_residual,
     Op.HEAD_RMSNORM: _head_rmsnorm,
@@ -256,7 +280,7 @@ _IMPL: dict[Op, _Impl] = {
     Op.ADD: lambda n, a: _f32(a[0]) + _f32(a[1]),
     Op.SCALE: lambda n, a: _f32(a[0]) * float(n.attr("factor")),
     Op.SOFTCAP: lambda n, a: np.tanh(_f32(a[0]) / float(n.attr("cap"))) * float(n.attr("cap")),
-    Op.ARGMAX: lambda n, a: np.argmax(_f32(a[0]), axis=-1).astype(np.int32),
+    Op.ARGMAX: lambda n, a: _argmax(a[0]),
     Op.TOPK: _topk,
     Op.CONV2: _conv2,
     Op.SELECTOR: _selector,

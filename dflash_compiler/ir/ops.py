@@ -27,6 +27,7 @@ class Op(StrEnum):
     # memory
     EMBED = "embed"  # rows of a table gathered by id, times a scale
     BLOCK_IDS = "block_ids"  # [anchor, MASK, ..., MASK] per sequence
+    BLOCK_EMBED = "block_embed"  # EMBED of BLOCK_IDS's ids, the ids never stored
     SLICE = "slice"  # a column range of a 2-D tensor
     DROP_ANCHOR = "drop_anchor"  # block rows 1..B-1 of each sequence
     KV_WRITE = "kv_write"  # rows of K or V of one layer into their page slots
@@ -35,6 +36,9 @@ class Op(StrEnum):
     MATMUL = "matmul"  # y = x @ W.T (W [N, K], bf16/fp32)
     MATMUL_FP8 = "matmul_fp8"  # y = (x @ W8.T) * scale[N] (W8 e4m3, per-output-row fp32 scale)
     LM_HEAD = "lm_head"  # logits = x @ E.T over the target vocabulary; FP8 form (x, E8, scale)
+    # silu(gate) * up of a gate|up projection whose weight rows (and FP8 scales) are interleaved `group` at a time
+    MATMUL_SILU = "matmul_silu"
+    LM_HEAD_ARGMAX = "lm_head_argmax"  # argmax of lm_head's logits per row, the logits never stored
     # norm
     RMSNORM = "rmsnorm"  # w * x / sqrt(mean(x^2) + eps) over the last dim
     RMSNORM_RESIDUAL = "rmsnorm_residual"  # (s = a + b, rmsnorm(s)): two outputs
@@ -72,6 +76,7 @@ _KIND: dict[Op, OpKind] = {
     Op.OUTPUT: OpKind.IO,
     Op.EMBED: OpKind.MEMORY,
     Op.BLOCK_IDS: OpKind.MEMORY,
+    Op.BLOCK_EMBED: OpKind.MEMORY,
     Op.SLICE: OpKind.MEMORY,
     Op.DROP_ANCHOR: OpKind.MEMORY,
     Op.KV_WRITE: OpKind.MEMORY,
@@ -79,6 +84,8 @@ _KIND: dict[Op, OpKind] = {
     Op.MATMUL: OpKind.LINEAR,
     Op.MATMUL_FP8: OpKind.LINEAR,
     Op.LM_HEAD: OpKind.LINEAR,
+    Op.LM_HEAD_ARGMAX: OpKind.LINEAR,
+    Op.MATMUL_SILU: OpKind.LINEAR,
     Op.RMSNORM: OpKind.NORM,
     Op.RMSNORM_RESIDUAL: OpKind.NORM,
     Op.HEAD_RMSNORM: OpKind.NORM,
@@ -99,9 +106,9 @@ _KIND: dict[Op, OpKind] = {
 
 
 # Arguments a node reads only a few rows of, picked by id (a table lookup), rather than whole: the
-# embedding table of EMBED and the Markov head's w1 of MARKOV_WALK. A step's DRAM traffic counts the
+# embedding table of EMBED and BLOCK_EMBED and the Markov head's w1 of MARKOV_WALK. A step's DRAM traffic counts the
 # whole of every other weight it reads, and only the gathered rows of these.
-GATHERED_ARGS: dict[Op, int] = {Op.EMBED: 1, Op.MARKOV_WALK: 2}
+GATHERED_ARGS: dict[Op, int] = {Op.EMBED: 1, Op.BLOCK_EMBED: 1, Op.MARKOV_WALK: 2}
 
 # Head dims HEAD_PREP takes: half a head in whole 16-byte bf16 vectors, one per lane, over a power-of-two
 # number of lanes of one warp (head_dim / 16 = 1, 2, 4, ..., 32).

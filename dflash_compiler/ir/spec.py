@@ -40,21 +40,51 @@ def _expect(cond: bool, msg: str) -> list[str]:
     return [] if cond else [msg]
 
 
-def _matmul(node: Node, ins: list[TensorType]) -> list[str]:
+def _linear_operands(node: Node, ins: list[TensorType]) -> list[str]:
+    """x [.., K] @ W [N, K].T, and the FP8 form's e4m3 weight and f32 [N] scale."""
     x, w = ins[0], ins[1]
-    out = node.outputs[0]
     errs = _expect(len(w.shape) == 2, f"weight must be 2-D, got {w.render()}")
     if errs:
         return errs
     errs += _expect(_same(x.shape[-1], w.shape[1]), f"x {x.render()} @ W{w.render()}.T: inner dims differ")
-    errs += _expect(
-        _same(out.shape[-1], w.shape[0]) and _same(out.shape[0], x.shape[0]),
-        f"output {out.render()} is not [{x.shape[0]}, {w.shape[0]}]",
-    )
-    if node.op is Op.MATMUL_FP8 or len(ins) == 3:  # MATMUL_FP8, or LM_HEAD's FP8 form
+    if node.op is Op.MATMUL_FP8 or len(ins) == 3:  # MATMUL_FP8, or an lm_head's FP8 form
         errs += _expect(w.dtype == "float8_e4m3fn", f"fp8 weight has dtype {w.dtype}")
         errs += _expect(ins[2].dtype == "float32" and _same(ins[2].shape[0], w.shape[0]), "scale must be f32[N]")
     return errs
+
+
+def _matmul(node: Node, ins: list[TensorType]) -> list[str]:
+    x, w, out = ins[0], ins[1], node.outputs[0]
+    errs = _linear_operands(node, ins)
+    if errs:
+        return errs
+    return _expect(
+        _same(out.shape[-1], w.shape[0]) and _same(out.shape[0], x.shape[0]),
+        f"output {out.render()} is not [{x.shape[0]}, {w.shape[0]}]",
+    )
+
+
+def _lm_head_argmax(node: Node, ins: list[TensorType]) -> list[str]:
+    x, out = ins[0], node.outputs[0]
+    return _linear_operands(node, ins) + _expect(
+        out.dtype == "int32" and len(out.shape) == 1 and _same(out.shape[0], x.shape[0]),
+        f"output {out.render()} is not int32[{x.shape[0]}] (one id per row of x)",
+    )
+
+
+def _matmul_silu(node: Node, ins: list[TensorType]) -> list[str]:
+    x, w, out = ins[0], ins[1], node.outputs[0]
+    errs = _linear_operands(node, ins)
+    if errs:
+        return errs
+    group, rows = int(node.attr("group")), w.shape[0]
+    return _expect(
+        isinstance(rows, int)
+        and rows % (2 * group) == 0
+        and _same(out.shape[-1], rows // 2)
+        and _same(out.shape[0], x.shape[0]),
+        f"output {out.render()} is not [{x.shape[0]}, {w.shape[0]} / 2] of gate|up blocks of {group} rows",
+    )
 
 
 def _same_as_input(node: Node, ins: list[TensorType]) -> list[str]:
@@ -178,6 +208,7 @@ SPECS: dict[Op, OpSpec] = {
     Op.OUTPUT: OpSpec((1, 1), rule=_same_as_input),
     Op.EMBED: OpSpec((2, 2), ("scale",)),
     Op.BLOCK_IDS: OpSpec((1, 1), ("block", "mask_token_id")),
+    Op.BLOCK_EMBED: OpSpec((2, 2), ("block", "mask_token_id", "scale")),  # (anchors int32 [nb], table [V, H])
     Op.SLICE: OpSpec((1, 1), ("start", "stop"), rule=_slice),
     Op.DROP_ANCHOR: OpSpec((1, 1), ("block",)),
     Op.KV_WRITE: OpSpec((3, 3), ("layer", "which", "page_size"), rule=_same_as_input),
@@ -186,6 +217,9 @@ SPECS: dict[Op, OpSpec] = {
     Op.MATMUL: OpSpec((2, 2), rule=_matmul),
     Op.MATMUL_FP8: OpSpec((3, 3), rule=_matmul),
     Op.LM_HEAD: OpSpec((2, 3), rule=_matmul),  # (x, W) or FP8 (x, W8 e4m3 [V, H], scale f32[V])
+    Op.LM_HEAD_ARGMAX: OpSpec((2, 3), rule=_lm_head_argmax),  # LM_HEAD's inputs; int32 [rows] ids
+    # (x, W) or FP8 (x, W8, scale) with gate|up rows interleaved `group` at a time; [rows, N / 2]
+    Op.MATMUL_SILU: OpSpec((2, 3), ("group",), rule=_matmul_silu),
     Op.RMSNORM: OpSpec((2, 2), ("eps",), rule=_norm),
     Op.RMSNORM_RESIDUAL: OpSpec((3, 3), ("eps",), outputs=2, rule=_rmsnorm_residual),
     Op.HEAD_RMSNORM: OpSpec((2, 2), ("eps", "head_dim"), rule=_norm),

@@ -87,6 +87,17 @@ def _fp8_rows(w: np.ndarray) -> tuple[np.ndarray, ...]:
     return quantize_fp8_rows(w)
 
 
+def interleave_rows(x: np.ndarray, *, group: int) -> tuple[np.ndarray, ...]:
+    """The two row halves of ``x`` ([2h, ...], e.g. gate | up) interleaved ``group`` rows at a time:
+    first-half rows [0, group), second-half rows [0, group), first-half [group, 2 group), ... (h a multiple
+    of ``group``)."""
+    half = x.shape[0] // 2
+    if x.shape[0] % 2 or half % group:
+        raise ValueError(f"interleave_rows: {x.shape[0]} rows are not two halves of a multiple of {group}")
+    blocks = x.reshape(2, half // group, group, *x.shape[1:])
+    return (np.ascontiguousarray(blocks.swapaxes(0, 1)).reshape(x.shape),)
+
+
 def _rope_inv_freq(*, inv_freq: tuple[float, ...]) -> tuple[np.ndarray, ...]:
     return (np.asarray(inv_freq, np.float32),)
 
@@ -95,6 +106,7 @@ TRANSFORMS: dict[str, Callable[..., tuple[np.ndarray, ...]]] = {
     "identity": _identity,
     "concat_rows": _concat_rows,
     "fp8_e4m3_rows": _fp8_rows,
+    "interleave_rows": interleave_rows,
     "rope_inv_freq": _rope_inv_freq,
 }
 

@@ -44,6 +44,8 @@ DRAFTS = "nb*(blk-1)"
         (EmbedSpec(100, 37, scale=2.5), {"m": 5}),  # odd hidden: scalar accesses; scaled
         (EmbedSpec(300, 48, scale=0.5, table_dtype="float32"), {"m": 1}),  # f32 table, bf16 rows
         (EmbedSpec(8192, 4096), {"m": 16}),
+        (EmbedSpec(512, 64, scale=2.0, block=8, mask_token_id=500), {"nb": 3, "m": 24}),  # block_embed
+        (EmbedSpec(300, 37, block=7, mask_token_id=0), {"nb": 5, "m": 35}),  # odd hidden, mask id 0
         (BlockIdsSpec(8, 500), {"nb": 3, "m": 24}),
         (BlockIdsSpec(16, 151669), {"nb": 1, "m": 16}),
         (BlockIdsSpec(7, 383), {"nb": 37, "m": 259}),  # more ids than one block of threads
@@ -63,7 +65,8 @@ def test_llvm_matches_numpy(spec, sizes):
 def test_specs_travel_to_a_box_without_tvm():
     """The GPU check unpickles specs and runs sample/reference where TVM is not installed."""
     assert_imports_without_tvm("dflash_compiler.schedules.embed")
-    for spec in (EmbedSpec(151936, 4096), BlockIdsSpec(16, 151669), DropAnchorSpec(16, 4096)):
+    block_embed = EmbedSpec(151936, 4096, block=16, mask_token_id=151669)
+    for spec in (EmbedSpec(151936, 4096), block_embed, BlockIdsSpec(16, 151669), DropAnchorSpec(16, 4096)):
         assert pickle.loads(pickle.dumps(spec)) == spec
     assert EmbedSpec(151936, 4096).bytes_moved({"m": 64}) == 64 * (4 + 4096 * 4)  # the named rows, not the table
     assert DropAnchorSpec(16, 4096).bytes_moved({"m": 32, "n": 30}) == 30 * 4096 * 4
@@ -85,6 +88,18 @@ def test_block_ids_layout():
     np.testing.assert_array_equal(got, [5, 99, 99, 99, 6, 99, 99, 99, 7, 99, 99, 99])
 
 
+def test_block_embed_gathers_the_block_ids_rows():
+    """block_embed's rows are embed's of block_ids' ids: the anchor's row, then the mask token's."""
+    spec = EmbedSpec(128, 16, block=4, mask_token_id=99)
+    table = EmbedSpec(128, 16).sample(np.random.default_rng(3), {"m": 1})["table"]
+    anchors = np.array([5, 6, 7], np.int32)
+    got = run_llvm(spec, {"anchors": anchors, "table": table, "y": np.zeros((12, 16), table.dtype)})["y"]
+    ids = run_llvm(BlockIdsSpec(4, 99), {"anchors": anchors, "ids": np.zeros(12, np.int32)})["ids"]
+    np.testing.assert_array_equal(got, table[ids])
+    assert spec.name == "embed_b4_mask99_v128_h16" and [p.name for p in spec.params()] == ["anchors", "table", "y"]
+    assert spec.bytes_moved({"nb": 3, "m": 12}) == 3 * 4 + 12 * 16 * 4  # the anchors, not the ids
+
+
 def test_embed_sample_of_a_real_table_is_cheap_and_valid():
     spec = EmbedSpec(8192, 4096)
     arrays = spec.sample(np.random.default_rng(0), {"m": 64})
@@ -99,6 +114,7 @@ def test_embed_sample_of_a_real_table_is_cheap_and_valid():
     ("spec", "sizes", "message"),
     [
         (BlockIdsSpec(8, 500), {"nb": 2, "m": 15}, "bind m = nb \\* block"),
+        (EmbedSpec(512, 64, block=8, mask_token_id=5), {"nb": 2, "m": 15}, "bind m = nb \\* block"),
         (DropAnchorSpec(8, 64), {"m": 15, "n": 14}, "m=15 and n=14, expected m = nb \\* 8 and n = nb \\* 7"),
         (DropAnchorSpec(8, 64), {"m": 16, "n": 15}, "bind m = nb \\* block and n = nb \\* \\(block - 1\\)"),
     ],
@@ -116,6 +132,8 @@ def test_sample_refuses_inconsistent_sizes(spec, sizes, message):
         (lambda: EmbedSpec(64, 64, table_dtype="int8"), "dtype int8 not supported"),
         (lambda: BlockIdsSpec(1, 5), "at least 2"),
         (lambda: BlockIdsSpec(8, -1), "non-negative int32"),
+        (lambda: EmbedSpec(64, 64, block=1, mask_token_id=5), "at least 2"),
+        (lambda: EmbedSpec(64, 64, block=8, mask_token_id=64), "past the table's 64 rows"),
         (lambda: DropAnchorSpec(1, 64), "at least 2"),
         (lambda: DropAnchorSpec(8, 0), "hidden size must be positive"),
     ],
@@ -149,6 +167,11 @@ REAL_NODES = [  # as in /tmp/dump/*/10_plan_memory.propose.txt
         _inst(Op.BLOCK_IDS, TensorType("int32", (ROWS,)), TensorType("int32", ("nb",)), block=16,
               mask_token_id=151669),
         "block_ids_b16_mask151669",
+    ),
+    (
+        _inst(Op.BLOCK_EMBED, TensorType(BF16, (ROWS, 4096)), TensorType("int32", ("nb",)),
+              TensorType(BF16, (151936, 4096)), block=16, mask_token_id=151669, scale=1.0),
+        "embed_b16_mask151669_v151936_h4096",
     ),
     (
         _inst(Op.DROP_ANCHOR, TensorType(BF16, (DRAFTS, 4096)), TensorType(BF16, (ROWS, 4096)), block=16),
@@ -208,6 +231,7 @@ def test_default_knobs_and_bad_knobs():
 LOWERED = [  # (spec, knobs, grid, block, vector access expected in the source)
     (EmbedSpec(151936, 4096), {}, ("m", "2", "1"), ("256", "1", "1"), "uint4"),
     (EmbedSpec(100, 37, scale=2.5), {}, ("m", "1", "1"), ("64", "1", "1"), None),
+    (EmbedSpec(151936, 4096, block=16, mask_token_id=151669), {}, ("m", "2", "1"), ("256", "1", "1"), "uint4"),
     (BlockIdsSpec(16, 151669), {}, ("((m + 255) // 256)", "1", "1"), ("256", "1", "1"), None),
     (BlockIdsSpec(7, 500), {"threads": 64}, ("((m + 63) // 64)", "1", "1"), ("64", "1", "1"), None),
     (DropAnchorSpec(16, 4096), {}, ("n", "2", "1"), ("256", "1", "1"), "uint4"),

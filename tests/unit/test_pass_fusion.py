@@ -18,10 +18,13 @@ from pass_harness import TINY, Run, Tiny, assert_equivalent, run, tiny
 from dflash_compiler.errors import DFlashError
 from dflash_compiler.ir import Graph, Node, Op, Ref, TensorType, WeightCache, WeightDecl, dump, verify
 from dflash_compiler.ir_passes.context import Pass, PassContext
+from dflash_compiler.ir_passes.fuse_block_embed import fuse_block_embed
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
 from dflash_compiler.ir_passes.fuse_gate_up import fuse_gate_up
+from dflash_compiler.ir_passes.fuse_gate_up_silu import GROUP, fuse_gate_up_silu
 from dflash_compiler.ir_passes.fuse_head_prep import fuse_head_prep
 from dflash_compiler.ir_passes.fuse_kv_writes import fuse_kv_writes
+from dflash_compiler.ir_passes.fuse_lm_head_argmax import fuse_lm_head_argmax
 from dflash_compiler.ir_passes.fuse_qkv import fuse_qkv
 from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.select_rope import RopeChoice, UnsupportedRopeError, select_rope
@@ -38,6 +41,9 @@ PASSES: dict[str, Pass] = {
     "select_rope": select_rope,
     "fuse_head_prep": fuse_head_prep,  # after select_rope: it fuses only selected RoPE
     "fuse_kv_writes": fuse_kv_writes,
+    "fuse_lm_head_argmax": fuse_lm_head_argmax,
+    "fuse_block_embed": fuse_block_embed,
+    "fuse_gate_up_silu": fuse_gate_up_silu,  # after fuse_gate_up: it fuses only the one-input silu_mul
 }
 # (pass, example, phase): the phase the pass rewrites, on tiny-dflash and on DFlash2's conv-wrapped layers.
 GOLDEN_CASES: tuple[tuple[str, str, str], ...] = (
@@ -50,6 +56,8 @@ GOLDEN_CASES: tuple[tuple[str, str, str], ...] = (
     ("fuse_residual_norm", "tiny-dflash2", "propose"),
     ("select_rope", "tiny-dflash", "propose"),
     ("select_rope", "tiny-dflash-yarn", "append_context"),
+    ("fuse_lm_head_argmax", "tiny-dflash", "propose"),
+    ("fuse_block_embed", "tiny-dflash", "propose"),
 )
 # Phases a pass must leave exactly as they are (the pattern does not occur there).
 UNTOUCHED = {
@@ -58,6 +66,9 @@ UNTOUCHED = {
     "fuse_qkv": "append_context",
     "fuse_gate_up": "append_context",
     "fuse_residual_norm": "append_context",
+    "fuse_lm_head_argmax": "append_context",
+    "fuse_block_embed": "append_context",
+    "fuse_gate_up_silu": "append_context",
 }
 # Fusing GEMMs changes fp32 summation order: KV differs by ~1e-6, logits of magnitude ~24 (tiny-dflash-yarn)
 # by ~2e-5. A wrong fusion (order, slice bounds, halves) changes values by O(1), far above this.
@@ -347,6 +358,131 @@ def test_fuse_residual_norm_skips_an_add_with_two_norm_readers() -> None:
     t = _tiny("tiny-dflash")
     g = _two_norm_graph()
     assert dump(fuse_residual_norm(g, _ctx(t))) == dump(g)
+
+
+# (c) structure: fuse_lm_head_argmax ----------------------------------------------------------------------
+def test_fuse_lm_head_argmax_structure() -> None:
+    t = _tiny("tiny-dflash")
+    before = t.program.propose
+    g = fuse_lm_head_argmax(before, _ctx(t))
+    assert not _ops(g, Op.LM_HEAD) and not _ops(g, Op.ARGMAX)
+    assert _ops(g, Op.LM_HEAD_ARGMAX) == ["argmax"]  # the argmax's name: its readers read it unchanged
+    assert g.inputs("argmax") == before.inputs("lm_head")  # drop_anchor's rows and the target's lm_head
+    assert g.node("argmax").outputs == before.node("argmax").outputs  # int32 [nb*(blk-1)]
+    assert _readers(g, "argmax") == ["tokens"]
+
+
+@pytest.mark.parametrize("example", ["tiny-dflash2", "tiny-dspark"])
+def test_fuse_lm_head_argmax_leaves_logits_other_ops_read(example: str) -> None:
+    t = _tiny(example)  # DFlash2's top-k and DSpark's Markov walk read the logits
+    assert _ops(t.program.propose, Op.LM_HEAD)
+    assert dump(fuse_lm_head_argmax(t.program.propose, _ctx(t))) == dump(t.program.propose)
+
+
+def _head_graph(readers: int, fp8: bool, k: int = 64) -> Graph:
+    g = Graph("t", {"rows": "rows"})
+    x = g.add("x", Node.make(Op.INPUT, [TensorType("bfloat16", ("rows", k))]))
+    w_type = TensorType("float8_e4m3fn" if fp8 else "bfloat16", (100, k))
+    w = g.add("w", Node.make(Op.WEIGHT, [w_type], decl=WeightDecl.of("w")))
+    scale = [g.add("s", Node.make(Op.WEIGHT, [TensorType("float32", (100,))], decl=WeightDecl.of("s")))] if fp8 else []
+    logits = g.add("lm_head", Node.make(Op.LM_HEAD, [TensorType("float32", ("rows", 100))]), [x, w, *scale])
+    ids = TensorType("int32", ("rows",))
+    g.add("argmax", Node.make(Op.ARGMAX, [ids]), [logits])
+    g.add("tokens", Node.make(Op.OUTPUT, [ids]), ["argmax"])
+    if readers > 1:
+        g.add("logits", Node.make(Op.OUTPUT, [TensorType("float32", ("rows", 100))]), [logits])
+    return g
+
+
+def test_fuse_lm_head_argmax_takes_the_fp8_form_and_skips_shared_logits() -> None:
+    t = _tiny("tiny-dflash")
+    fused = fuse_lm_head_argmax(_head_graph(1, fp8=True), _ctx(t))
+    verify(fused)
+    assert _ops(fused, Op.LM_HEAD_ARGMAX) == ["argmax"]
+    assert [ref.node for ref in fused.inputs("argmax")] == ["x", "w", "s"]
+    shared = _head_graph(2, fp8=False)  # the logits are also a graph output: they must be written
+    assert dump(fuse_lm_head_argmax(shared, _ctx(t))) == dump(shared)
+    odd_k = _head_graph(1, fp8=False, k=48)  # no tensor-core kernel takes k = 48: nothing to fuse
+    assert dump(fuse_lm_head_argmax(odd_k, _ctx(t))) == dump(odd_k)
+
+
+# (c) structure: fuse_gate_up_silu ------------------------------------------------------------------------
+def test_interleave_rows_alternates_the_halves_by_group() -> None:
+    from dflash_compiler.ir.weights import interleave_rows
+
+    rows = np.arange(32)  # gate rows 0..15, up rows 16..31
+    (got,) = interleave_rows(np.stack([rows, -rows], axis=1), group=8)
+    assert got[:, 0].tolist() == [*range(8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    assert got[:, 1].tolist() == (-got[:, 0]).tolist()  # whole rows move
+    with pytest.raises(ValueError, match="multiple of 8"):
+        interleave_rows(np.zeros(24), group=8)
+
+
+@pytest.mark.parametrize("example", TINY)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fuse_gate_up_silu_structure(example: str, precision: str) -> None:
+    from dflash_compiler.ir_passes.choose_precision import choose_precision
+    from dflash_compiler.options import Precision
+
+    t = _tiny(example)
+    ctx = PassContext(t.config, BuildOptions(precision=Precision(precision)), t.tensors.__getitem__)
+    before = choose_precision(fuse_gate_up(t.program.propose, ctx), ctx)
+    g = fuse_gate_up_silu(before, ctx)
+    verify(g)
+    if t.config.hidden_size % 64:  # tiny-dflash-yarn's k = 48: no tensor-core kernel, so nothing to fuse
+        assert dump(g) == dump(before)
+        return
+    assert not _ops(g, Op.SILU_MUL)
+    fused = _ops(g, Op.MATMUL_SILU)
+    assert fused == [f"l{i}.silu_mul" for i in range(t.config.num_layers)]
+    for name in fused:
+        layer = name.split(".")[0]
+        assert g.node(name).attr("group") == GROUP and g.node(name).outputs == before.node(name).outputs
+        assert _readers(g, name) == _readers(before, name)  # the down projection
+        inputs = g.inputs(name)
+        assert inputs == before.inputs(f"{layer}.gate_up")  # x, then the weight (and the FP8 scale) nodes
+        for ref in inputs[1:]:
+            decl, old = g.node(ref.node).attr("decl"), before.node(ref.node).attr("decl")
+            assert decl == WeightDecl("interleave_rows", (old,), (("group", GROUP),)), ref.node
+        assert len(inputs) == (3 if precision == "fp8" else 2)
+    # the same drafts, cache and logits over the multi-step protocol (FP8: with the quantized weights)
+    plain_program = t.program.with_phases(t.program.append_context, before)
+    fused_program = t.program.with_phases(t.program.append_context, g)
+    assert_equivalent(run(plain_program, t.tensors), run(fused_program, t.tensors), **TOL)
+    # the interleaved weight: gate rows r..r+7, then up rows r..r+7, ...
+    w = _materialize(t, g.node(g.inputs(fused[0])[1].node))
+    plain = _materialize(t, before.node(before.inputs("l0.gate_up")[1].node))
+    half = plain.shape[0] // 2
+    np.testing.assert_array_equal(w[GROUP : 2 * GROUP], plain[half : half + GROUP])
+    np.testing.assert_array_equal(w[2 * GROUP : 3 * GROUP], plain[GROUP : 2 * GROUP])
+
+
+# (c) structure: fuse_block_embed -------------------------------------------------------------------------
+@pytest.mark.parametrize("example", TINY)
+def test_fuse_block_embed_structure(example: str) -> None:
+    t = _tiny(example)
+    before = t.program.propose
+    g = fuse_block_embed(before, _ctx(t))
+    assert not _ops(g, Op.BLOCK_IDS) and not _ops(g, Op.EMBED)
+    assert _ops(g, Op.BLOCK_EMBED) == ["embed"]  # the embed's name: its readers read it unchanged
+    assert [ref.node for ref in g.inputs("embed")] == ["anchors", "target.embed_tokens"]
+    node, cfg = g.node("embed"), t.config
+    assert (node.attr("block"), node.attr("mask_token_id")) == (cfg.block_size, cfg.mask_token_id)
+    assert node.attr("scale") == cfg.input_embedding_scale and node.outputs == before.node("embed").outputs
+    assert _readers(g, "embed") == _readers(before, "embed")
+
+
+def test_fuse_block_embed_skips_ids_read_twice() -> None:
+    t = _tiny("tiny-dflash")
+    g = Graph("t", {"nb": "nb", "rows": "rows"})
+    anchors = g.add("anchors", Node.make(Op.INPUT, [TensorType("int32", ("nb",))]))
+    table = g.add("table", Node.make(Op.WEIGHT, [TensorType("bfloat16", (10, 4))], decl=WeightDecl.of("table")))
+    ids_type = TensorType("int32", ("rows",))
+    ids = g.add("ids", Node.make(Op.BLOCK_IDS, [ids_type], block=4, mask_token_id=9), [anchors])
+    rows = g.add("rows", Node.make(Op.EMBED, [TensorType("bfloat16", ("rows", 4))], scale=1.0), [ids, table])
+    g.add("out", Node.make(Op.OUTPUT, [TensorType("bfloat16", ("rows", 4))]), [rows])
+    g.add("ids_out", Node.make(Op.OUTPUT, [ids_type]), [ids])
+    assert dump(fuse_block_embed(g, _ctx(t))) == dump(g)
 
 
 # (c, e) structure and values: select_rope ----------------------------------------------------------------
