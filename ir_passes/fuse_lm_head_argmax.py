@@ -11,6 +11,10 @@ Invariant established: each matched pair is one ``lm_head_argmax`` node with the
 ARGMAX's int32 ``[rows]`` output, under the ARGMAX's name (its readers are unchanged); the LM_HEAD node is
 gone. The ids equal the pair's: the fused kernels rank the same float32 logits by the same (value, lower
 index) order, they only never write the ``[rows, vocab]`` logits to memory.
+
+Measured on the H200 (bench/kernels.py): the fused kernels pick exactly numpy's ids at nb = 1 and 8, bf16
+and FP8; lm_head_argmax bf16 runs 300.8 µs at nb = 1 (4139 GB/s, 99 % of copy) and 367.0 at nb = 8. With the
+other two fusions the step went from 0.954 to 0.948 ms at nb = 1 and from 1.401 to 1.369 at nb = 8.
 """
 
 from __future__ import annotations

@@ -314,6 +314,12 @@ def cluster_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     the x rows [ks · r, (ks + 1) · r) (r = ceil(block_m / k_splits)) of every block's tile, four columns a
     thread per 16-byte remote load, in rank order (the sum does not depend on timing), applies the FP8 row
     scale and stores y; a second cluster barrier keeps every block's tile alive until the last remote read.
+
+    Measured on the H200 (bench/linear.py --gemm, 128 rows, dependent launches; merge kernel → cluster, same
+    run; 388/388 numpy checks including clusters of 2-8 blocks): qkv bf16 26.3 → 20.6 µs with two warpgroups
+    and 4 splits, but o_proj 17.1 → 19.9, down 36.9 → 48.0, and FP8 down 51.0 → 86.4, o_proj_fp8 20.5 →
+    32.1; the whole step at nb = 8 with every split GEMM clustered took 1.557 against 1.388 ms. Hence
+    KERNEL_REDUCE stays the default; the knob is there for a tuning database.
     """
     from tvm.script import tirx as T
 
