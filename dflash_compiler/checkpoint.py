@@ -27,6 +27,7 @@ import numpy as np
 
 from dflash_compiler.config import DrafterConfig, load_drafter_config
 from dflash_compiler.errors import ConfigError, InputError, Problem
+from dflash_compiler.row_blocks import cast_rows
 from dflash_compiler.synth import random_tensor, target_tensor_specs
 from dflash_compiler.tensors import expected_drafter_tensors
 from dflash_compiler.weights import INDEX_NAME
@@ -124,7 +125,10 @@ def write_safetensors(path: Path, tensors: Sequence[TensorToWrite]) -> int:
         fh.write(len(header).to_bytes(8, "little"))
         fh.write(header)
         for t in ordered:
-            values = np.ascontiguousarray(np.asarray(t.make(), dtype=np.float32).astype(t.dtype, copy=False))
+            values = np.asarray(t.make())
+            if values.dtype != t.dtype:  # storage rounding from float32, whatever the producer computed in
+                values = cast_rows(values.astype(np.float32, copy=False), t.dtype)
+            values = np.ascontiguousarray(values)
             if values.shape != t.shape:
                 raise AssertionError(f"{t.name}: produced {values.shape}, declared {t.shape}")
             fh.write(values.reshape(-1).view(np.uint8).data)

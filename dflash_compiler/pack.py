@@ -2,8 +2,10 @@
 
 Runs on the deploy box, which has no TVM: the manifest declares every packed tensor (fused K/V and QKV
 rows, FP8 rows and their scales, the RoPE table) as a transform of checkpoint tensors, and this applies
-the declarations exactly as the build's interpreter did. The checkpoint must be the one the artifact was
-compiled for: its config must hash to the manifest's.
+the declarations exactly as the build's interpreter did. Tensors are read as stored, so a bf16 weight
+packed as bf16 is copied rather than widened to float32 and rounded back (the same bytes), and each
+transform's result is held only until the last packed tensor that needs it is written. The checkpoint
+must be the one the artifact was compiled for: its config must hash to the manifest's.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ def pack_weights(artifact: Path, drafter_dir: Path, target_model: Path) -> Manif
             f"{drafter_dir}/config.json is not the config {artifact} was compiled from (sha256 differs). "
             f"Fix: pack with the drafter it was built for, or rebuild: dflash-compile compile {drafter_dir} ..."
         )
-    cache = WeightCache(checkpoint_source(cfg, Path(drafter_dir), Path(target_model)))
+    decls = {name: WeightDecl.from_json(record.decl) for name, record in manifest.weights.items()}
+    source = checkpoint_source(cfg, Path(drafter_dir), Path(target_model), as_stored=True)
+    cache = WeightCache(source, expected=decls.values())
     tensors = []
     for name, record in sorted(manifest.weights.items()):
         if record.dtype not in _STORAGE:
             raise ArtifactError(f"weight {name}: dtype {record.dtype} cannot be stored; known {sorted(_STORAGE)}")
         dtype, stored = numpy_dtype(record.dtype), _STORAGE[record.dtype]
-        decl = WeightDecl.from_json(record.decl)
-        tensors.append(TensorToWrite(name, record.shape, dtype, stored, make=lambda d=decl: cache.get(d)))
+        tensors.append(TensorToWrite(name, record.shape, dtype, stored, make=lambda d=decls[name]: cache.take(d)))
     return add_file(Path(artifact), WEIGHTS, lambda path: write_safetensors(path, tensors))

@@ -8,6 +8,7 @@ cubin) and `emit` (the artifact directory).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +161,14 @@ def check_exclude_globs(program: Program, options: BuildOptions) -> None:
 def make_pass_context(
     program: Program, options: BuildOptions, tensors: Callable[[str], np.ndarray] | None
 ) -> PassContext:
-    """Calibration activations are gathered only when a pass will measure with them (precision auto)."""
+    """Calibration activations are gathered only when a pass will measure with them (precision auto).
+
+    Then the context's tensors are read once each: calibration's interpreter holds every checkpoint tensor
+    in float32 anyway, and choose_precision quantizes the same arrays instead of reading and converting
+    the checkpoint a second time (half of an auto build's time on a real-shape drafter). They are freed with
+    the context."""
     calibration = None
     if options.precision is Precision.AUTO and tensors is not None:
+        tensors = functools.cache(tensors)
         calibration = collect_calibration(program, tensors)
     return PassContext(program.config, options, tensors, calibration=calibration)

@@ -2,7 +2,9 @@
 
 Weight declarations name checkpoint tensors as the config expects them (`layers.0.mlp.up_proj.weight`)
 and the target's as `target.embed_tokens` / `target.lm_head`; this maps those names to the stored
-tensors (after the checkpoint checks, which also resolve prefixed names) and returns float32 values.
+tensors (after the checkpoint checks, which also resolve prefixed names) and returns float32 values, or
+with ``as_stored`` the values in the dtype the checkpoint stores them in (what pack-weights reads: the
+weight transforms keep a dtype, and a bf16 tensor packed as bf16 is then never widened to float32).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dflash_compiler.config import DrafterConfig
 TensorSource = Callable[[str], np.ndarray]
 
 
-def checkpoint_source(cfg: DrafterConfig, drafter_dir: Path, target_model: Path) -> TensorSource:
+def checkpoint_source(
+    cfg: DrafterConfig, drafter_dir: Path, target_model: Path, as_stored: bool = False
+) -> TensorSource:
     """A checked tensor source; InputError (listing every problem) when either checkpoint is unusable."""
     from dflash_compiler.target_model import check_target, load_target
     from dflash_compiler.weights import WeightSet, check_drafter_weights
@@ -29,9 +33,10 @@ def checkpoint_source(cfg: DrafterConfig, drafter_dir: Path, target_model: Path)
 
     def tensor(name: str) -> np.ndarray:
         if name == "target.embed_tokens":
-            return target.embed_tokens(as_f32=True)
+            return target.embed_tokens(as_f32=not as_stored)
         if name == "target.lm_head":
-            return target.lm_head(as_f32=True)
-        return ws.get_f32(report.stored_names.get(name, name))
+            return target.lm_head(as_f32=not as_stored)
+        stored = report.stored_names.get(name, name)
+        return ws.get(stored) if as_stored else ws.get_f32(stored)
 
     return tensor

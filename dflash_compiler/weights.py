@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ import numpy as np
 
 from dflash_compiler.config import DrafterConfig
 from dflash_compiler.errors import Problem, WeightsError, short
+from dflash_compiler.row_blocks import cast_rows
 from dflash_compiler.tensors import FLOAT_DTYPES, expected_drafter_tensors
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -332,8 +334,17 @@ class WeightSet:
         return np.frombuffer(self._read_bytes(info, 0, info.nbytes), dtype=dtype).reshape(info.shape)
 
     def get_f32(self, name: str) -> np.ndarray:
-        """The tensor converted to float32."""
-        return self.get(name).astype(np.float32)
+        """The tensor converted to float32 (a fresh array), read straight from the file's pages."""
+        info = self.tensor_info(name)
+        dtype = self._np_dtype(info)
+        if info.nbytes == 0 or info.offset + info.nbytes > info.file.stat().st_size:
+            return self.get(name).astype(np.float32)  # get() names the tensor and the bytes it lacks
+        count = math.prod(info.shape)
+        with info.file.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+            stored = np.frombuffer(pages, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
+            out = cast_rows(stored, np.float32)
+            del stored  # the map closes only once no array views it
+        return out
 
     def iter_chunks(self, name: str, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[np.ndarray]:
         """The tensor's elements, flattened, in pieces of at most ``chunk_bytes`` (bounds memory)."""

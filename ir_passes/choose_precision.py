@@ -31,11 +31,12 @@ import numpy as np
 from dflash_compiler.errors import Problem
 from dflash_compiler.ir.graph import Graph, Node, Ref, TensorType
 from dflash_compiler.ir.ops import Op
-from dflash_compiler.ir.weights import WeightDecl, materialize, quantize_fp8_rows
+from dflash_compiler.ir.weights import WeightDecl, fp8_rows_residual, materialize
 from dflash_compiler.ir_passes._rewrite import fresh_name, in_original_order, replace_node
 from dflash_compiler.ir_passes.context import PassContext
 from dflash_compiler.options import Precision
 from dflash_compiler.plans import Choice, LinearPrecision, PlanError, PrecisionMap
+from dflash_compiler.row_blocks import row_spans
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_TRANSFORM = "fp8_e4m3_rows"
@@ -109,14 +110,22 @@ def _unmatched(linears: list[_Linear], globs: tuple[str, ...]) -> tuple[str, ...
     return tuple(g for g in globs if not any(fnmatchcase(n, g) for n in names))
 
 
+# weight rows quantized and multiplied at a time by fp8_relative_error: ~16 Mi values (64 MiB in f32), so
+# an lm_head-sized weight never has its f32 copy, reconstruction and error matrix in memory all at once
+_ERROR_CHUNK_ELEMS = 1 << 24
+
+
 def fp8_relative_error(x: np.ndarray, w: np.ndarray) -> float:
-    """``‖x·Ŵᵀ − x·Wᵀ‖_F / ‖x·Wᵀ‖_F`` with ``Ŵ`` the e4m3-rows reconstruction of ``w``."""
-    w = np.asarray(w, np.float32)
-    w8, scale = quantize_fp8_rows(w)
-    delta = w8.astype(np.float32) * scale[:, None] - w
+    """``‖x·Ŵᵀ − x·Wᵀ‖_F / ‖x·Wᵀ‖_F`` with ``Ŵ`` the e4m3-rows reconstruction of ``w``.
+
+    Both norms are sums over output columns, so they are summed chunk of weight rows by chunk."""
     x = np.asarray(x, np.float32)
-    ref = float(np.linalg.norm(x @ w.T))
-    return float(np.linalg.norm(x @ delta.T)) / ref if ref > 0 else 0.0
+    err2 = ref2 = 0.0
+    for lo, hi in row_spans(w.shape[0], w.shape[1], _ERROR_CHUNK_ELEMS):
+        part = np.asarray(w[lo:hi], np.float32)
+        ref2 += float(np.linalg.norm(x @ part.T)) ** 2
+        err2 += float(np.linalg.norm(x @ fp8_rows_residual(part).T)) ** 2
+    return float(np.sqrt(err2 / ref2)) if ref2 > 0 else 0.0
 
 
 def _calibration_rows(lin: _Linear, phase: str, calibration: Mapping[str, np.ndarray]) -> np.ndarray | None:

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from dflash_compiler.ir.graph import Graph, Node, Ref, eval_dim
 from dflash_compiler.ir.ops import Op
-from dflash_compiler.ir.weights import WeightCache
+from dflash_compiler.ir.weights import WeightCache, e4m3_as_f32
 from dflash_compiler.rope import RopeSpec, apply_rope, cos_sin, rope_tables
+
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 class InterpretError(RuntimeError):
@@ -28,6 +31,8 @@ class InterpretError(RuntimeError):
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
+    if isinstance(x, np.ndarray) and x.dtype == _E4M3:
+        return e4m3_as_f32(x)
     return np.asarray(x, dtype=np.float32)
 
 

@@ -19,6 +19,7 @@ from dflash_compiler.calibrate import collect_calibration
 from dflash_compiler.config import Family
 from dflash_compiler.graph_runner import GraphDrafter
 from dflash_compiler.ir import Graph, Node, Op, TensorType, WeightCache, WeightDecl, dump, interpret, verify
+from dflash_compiler.ir.weights import e4m3_as_f32, quantize_fp8_rows
 from dflash_compiler.ir_passes.choose_precision import choose_precision, fp8_relative_error
 from dflash_compiler.ir_passes.context import PassContext
 from dflash_compiler.ir_passes.fuse_context_kv import fuse_context_kv
@@ -306,7 +307,52 @@ def test_lm_head_alone_errs_exactly_its_measured_error() -> None:
     assert 0.005 < expected < E4M3_REL
 
 
+def test_fp8_error_summed_over_weight_row_chunks_is_the_whole_matrix_formula(monkeypatch) -> None:
+    """fp8_relative_error sums both norms chunk of weight rows by chunk; with chunks of 7 rows (ragged last
+    one) it must give the formula computed on whole matrices in float64."""
+    from dflash_compiler.ir_passes import choose_precision as module
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((37, 96)).astype(np.float32)
+    w = (rng.standard_normal((50, 96)) * np.linspace(0.01, 3, 50)[:, None]).astype(np.float32)
+    w8, scale = quantize_fp8_rows(w)
+    w_hat = w8.astype(np.float64) * scale[:, None]
+    exact = np.linalg.norm(x @ (w_hat - w).T) / np.linalg.norm(x.astype(np.float64) @ w.T)
+    monkeypatch.setattr(module, "_ERROR_CHUNK_ELEMS", 7 * 96)
+    assert fp8_relative_error(x, w) == pytest.approx(exact, rel=1e-5)
+    assert fp8_relative_error(x, np.zeros_like(w)) == 0.0
+
+
+def test_e4m3_table_gives_every_codes_value() -> None:
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(16, 16)
+    got = e4m3_as_f32(codes)
+    assert got.dtype == np.float32 and got.shape == (16, 16)
+    np.testing.assert_array_equal(got.view(np.uint32), codes.astype(np.float32).view(np.uint32))
+    assert got[0, 8] == 2.0**-6 and got[7, 14] == 448.0 and got[0, 1] == 2.0**-9 and np.isnan(got[7, 15])
+
+
 # (e) auto ---------------------------------------------------------------------------------------------------
+def test_auto_build_reads_each_checkpoint_tensor_once() -> None:
+    """Calibration and choose_precision share one float32 read of every tensor (a real-shape drafter's
+    checkpoint is gigabytes); the decisions are those of a build given the plain tensors."""
+    from dflash_compiler.pipeline import optimize
+
+    t = tiny("tiny-dflash")
+    reads: dict[str, int] = {}
+
+    def source(name: str) -> np.ndarray:
+        reads[name] = reads.get(name, 0) + 1
+        return t.tensors[name]
+
+    options = BuildOptions(precision="auto", fp8_error_budget=0.03)
+    counted = optimize(t.config, options, source)
+    assert reads and set(reads.values()) == {1}, {n: c for n, c in reads.items() if c != 1}
+    plain = optimize(t.config, options, t.tensors.__getitem__)
+    for phase in ("append_context", "propose"):
+        assert counted.phases[phase].meta["precision"] == plain.phases[phase].meta["precision"]
+    assert any(lin.choice is Choice.FP8 for lin in counted.propose.meta["precision"].linears)
+
+
 def test_auto_tiny_budget_keeps_everything_bf16() -> None:
     choices = linears_of(convert("tiny-dflash", context("tiny-dflash", precision="auto", fp8_error_budget=1e-6)))
     assert choices and all(c is Choice.BF16 and err is not None and err > 1e-6 for c, err in choices.values())

@@ -59,6 +59,34 @@ def test_single_file_names_info_and_values(tmp_path):
     assert ws.total_bytes == 24 + 48 + 20 + 24
 
 
+def test_get_f32_of_tensors_spanning_many_row_blocks_is_the_stored_values_in_float32(tmp_path):
+    """get_f32 converts from the file's pages a block of rows at a time on every core: the values must be
+    numpy's conversion of the stored tensor, whatever the block boundaries (ragged rows, 1-D, 3-D)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2500, 1001), dtype=np.float32)
+    tensors = {
+        "bf16": x.astype(BF16),
+        "f16": x[:700].astype(np.float16),
+        "f32": x[:1500],
+        "vec": x[0].astype(BF16),
+        "cube": x[:600].reshape(3, 200, 1001).astype(BF16),
+        "scalar": np.array(2.5, dtype=BF16),
+    }
+    ws = WeightSet(save(tmp_path, tensors))
+    for name, stored in tensors.items():
+        got = ws.get_f32(name)
+        assert got.dtype == np.float32 and got.shape == stored.shape and got.flags.writeable, name
+        np.testing.assert_array_equal(got, stored.astype(np.float32), err_msg=name)
+
+
+def test_get_f32_of_a_file_cut_short_after_opening_names_the_tensor(tmp_path):
+    ws = WeightSet(save(tmp_path, {"w": np.ones((64, 64), np.float32)}))
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match=r"bytes for tensor w"):
+        ws.get_f32("w")
+
+
 def test_any_safetensors_name_and_a_file_path(tmp_path):
     save(tmp_path, {"x": np.ones(3, np.float32)}, name="pytorch_weights.safetensors")
     assert has_safetensors(tmp_path)
