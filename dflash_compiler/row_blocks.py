@@ -25,11 +25,11 @@ def row_spans(rows: int, cols: int, block_elems: int = BLOCK_ELEMS) -> list[tupl
     return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
-def for_row_blocks(rows: int, cols: int, fn: Callable[[int, int], None]) -> None:
+def for_row_blocks(rows: int, cols: int, fn: Callable[[int, int], None], block_elems: int = BLOCK_ELEMS) -> None:
     """Call ``fn(lo, hi)`` once for each span of :func:`row_spans`, on up to one thread per core.
 
     The first exception a block raises is raised here, after the running blocks finish."""
-    spans = row_spans(rows, cols)
+    spans = row_spans(rows, cols, block_elems)
     workers = min(len(spans), os.cpu_count() or 1)
     if workers <= 1:
         for lo, hi in spans:

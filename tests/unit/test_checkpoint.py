@@ -192,3 +192,25 @@ def test_failure_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         write_example("tiny-dflash", tmp_path / "kept", seed=0)
     assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_random_draws_are_one_stream_per_row_block():
+    """A tensor of one block is the plain draw of tensor_rng(seed, name); a larger one draws block b's rows
+    from tensor_rng(seed, f"{name}#{b}") (blocks of DRAW_BLOCK_ELEMS values, generated on every core), with
+    the role's affine map applied in float32."""
+    from dflash_compiler.synth import DRAW_BLOCK_ELEMS, standard_normal, tensor_rng
+
+    small = standard_normal(3, "w", (40, 50), 0.1, 1.0)
+    plain = tensor_rng(3, "w").standard_normal((40, 50), dtype=np.float32)
+    np.testing.assert_array_equal(small, np.float32(1.0) + np.float32(0.1) * plain)
+
+    cols = 1000
+    rows_per_block = DRAW_BLOCK_ELEMS // cols
+    shape = (2 * rows_per_block + 7, cols)  # two whole blocks and a ragged third
+    big = standard_normal(3, "lm_head", shape, 0.5)
+    for b, name in enumerate(("lm_head", "lm_head#1", "lm_head#2")):
+        lo, hi = b * rows_per_block, min((b + 1) * rows_per_block, shape[0])
+        want = tensor_rng(3, name).standard_normal((hi - lo, cols), dtype=np.float32) * np.float32(0.5)
+        np.testing.assert_array_equal(big[lo:hi], want, err_msg=name)
+    np.testing.assert_array_equal(big, standard_normal(3, "lm_head", shape, 0.5))
+    assert abs(float(big.std()) - 0.5) < 0.005 and abs(float(big.mean())) < 0.005

@@ -100,3 +100,18 @@ def test_materialize_is_the_caches_value_and_unknown_transforms_are_named():
         np.testing.assert_array_equal(materialize(decl, TENSORS.__getitem__).view(np.uint8), _want(decl).view(np.uint8))
     with pytest.raises(KeyError, match=r"unknown weight transform 'transpose'; known: \['concat_rows'"):
         materialize(WeightDecl("transpose", ("a",)), TENSORS.__getitem__)
+
+
+def test_concat_rows_keeps_one_dtype_and_meets_mixed_ones_in_float32():
+    """pack-weights reads tensors as stored: a bf16 fused weight stays bf16 (the bytes pack writes), and
+    sources of different dtypes are stacked as float32 values (exact for bf16, f16 and f32)."""
+    import ml_dtypes
+
+    a, b = TENSORS["a"].astype(ml_dtypes.bfloat16), TENSORS["b"].astype(ml_dtypes.bfloat16)
+    same = materialize(WeightDecl("concat_rows", ("a", "b")), {"a": a, "b": b}.__getitem__)
+    assert same.dtype == a.dtype
+    np.testing.assert_array_equal(same.view(np.uint16), np.concatenate([a, b]).view(np.uint16))
+    half = TENSORS["c"].astype(np.float16)
+    mixed = materialize(WeightDecl("concat_rows", ("a", "c")), {"a": a, "c": half}.__getitem__)
+    assert mixed.dtype == np.float32
+    np.testing.assert_array_equal(mixed, np.concatenate([a.astype(np.float32), half.astype(np.float32)]))
