@@ -90,14 +90,18 @@ def _step_bytes(manifest: Any, nb: int) -> int:
     return roof.weight_bytes + roof.context_weight_bytes + nb * (CACHED + NEW_ROWS) * roof.kv_bytes_per_cached_row
 
 
-def _fill(drafter: Any, nb: int, width: int, rng: np.random.Generator) -> None:
-    """Create `nb` sequences holding CACHED context rows each (random taps, appended in 512-row pieces)."""
+FILL_ROWS = 512
+
+
+def _fill(drafter: Any, nb: int, pool: np.ndarray) -> None:
+    """Create `nb` sequences holding CACHED context rows each, appended in FILL_ROWS-row pieces of `pool`
+    (random bf16 taps drawn once per run: the cached values do not change what a step reads or computes,
+    and drawing 4096 fresh rows of 20480 features per sequence cost more than the measurement)."""
     for seq in range(nb):
         drafter.create(seq)
-        for start in range(0, CACHED, 512):
-            rows = min(512, CACHED - start)
-            taps = rng.standard_normal((rows, width), np.float32)
-            drafter.append_context([seq], [taps], [np.arange(start, start + rows)])
+        for start in range(0, CACHED, FILL_ROWS):
+            rows = min(FILL_ROWS, CACHED - start)
+            drafter.append_context([seq], [pool[:rows]], [np.arange(start, start + rows)])
 
 
 def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = False) -> dict[str, Any]:
@@ -396,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_drafter_config(work / "ckpt" / "drafter")
     results: dict[str, Any] = {"device": device.name, "copy_gbps": bandwidth / 1e9, "rows": [], "load": {}}
     peer_ms: dict[int, float] = {}
+    pool: np.ndarray | None = None  # the taps every sequence's cache is filled from (_fill)
     for variant in args.variants:
         precision, dependent = {name: (p, d) for name, p, d in VARIANTS}[variant]
         artifact = Path(args.bundle) / f"{EXAMPLE}-sm_90-{variant}"
@@ -428,7 +433,10 @@ def run(args: argparse.Namespace) -> int:
         results["load"][variant] = {"borrowed_weights_s": bare_s, "with_weights_s": full_s, "weights_gb": weight_gb}
         for nb in args.batches:
             rng = np.random.default_rng(nb)
-            _fill(drafter, nb, int(drafter.phases["append_context"].plan.values["taps"].shape[1]), rng)
+            width = int(drafter.phases["append_context"].plan.values["taps"].shape[1])
+            if pool is None or pool.shape[1] != width:
+                pool = np.random.default_rng(0).standard_normal((FILL_ROWS, width), np.float32).astype(_bf16())
+            _fill(drafter, nb, pool)
             ours = _ours(drafter, nb, rng, timeline=nb in args.timeline)
             nbytes = _step_bytes(drafter.manifest, nb)
             roof_ms = nbytes / bandwidth * 1e3

@@ -26,6 +26,7 @@ from dflash_compiler.artifact import (
     verify_files,
 )
 from dflash_compiler.plans import numpy_dtype
+from dflash_compiler.row_blocks import cast_rows
 from dflash_compiler.runtime.cuda import Device, Module, Stream
 from dflash_compiler.runtime.device_array import DeviceArray, device_array
 from dflash_compiler.runtime.executor import PhaseExecutor
@@ -127,9 +128,9 @@ class Drafter(PagedSequences):
     def append_context(self, seq_ids: Sequence[int], taps: Sequence[Any], positions: Sequence[Any]) -> None:
         """Write each sequence's new context rows into the cache.
 
-        `taps[i]` is [C_i, T*H_t]: a host array, or a bf16 device tensor (DLPack or
-        `__cuda_array_interface__`), copied device to device. Rows beyond the build's `max_ctx_rows` are
-        processed in several launches of the phase.
+        `taps[i]` is [C_i, T*H_t]: a host array (bf16 copied as given, other floats rounded to bf16), or a
+        bf16 device tensor (DLPack or `__cuda_array_interface__`), copied device to device. Rows beyond the
+        build's `max_ctx_rows` are processed in several launches of the phase.
         """
         step = context_step(self.pages, seq_ids, [np.asarray(p) for p in positions])
         phase = self.phases["append_context"]
@@ -150,10 +151,13 @@ class Drafter(PagedSequences):
         if isinstance(value, np.ndarray) or not (
             hasattr(value, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
         ):
-            rows = np.asarray(value, np.float32)
+            rows = np.asarray(value)
             if rows.ndim != 2 or rows.shape[1] != width:
                 raise ValueError(f"{what}: expected [rows, {width}], found {list(rows.shape)}")
-            return rows.astype(ml_dtypes.bfloat16)
+            if rows.dtype == ml_dtypes.bfloat16:  # as a serving engine holds them: copied as given
+                return rows
+            # other floats: rounded to bf16 once, through float32 (a block of rows at a time on every core)
+            return cast_rows(rows.astype(np.float32, copy=False), ml_dtypes.bfloat16)
         array = device_array(value)
         if len(array.shape) != 2 or array.shape[1] != width or array.dtype != "bfloat16":
             raise ValueError(
