@@ -41,6 +41,7 @@ from dflash_compiler.row_blocks import row_spans
 FP8_DTYPE = "float8_e4m3fn"
 FP8_TRANSFORM = "fp8_e4m3_rows"
 _CANDIDATE_OPS = (Op.MATMUL, Op.LM_HEAD)
+_ROW_PLACING = ("identity", "concat_rows", "interleave_rows")  # transforms that only place whole rows
 
 
 @dataclass(frozen=True)
@@ -115,17 +116,40 @@ def _unmatched(linears: list[_Linear], globs: tuple[str, ...]) -> tuple[str, ...
 _ERROR_CHUNK_ELEMS = 1 << 24
 
 
-def fp8_relative_error(x: np.ndarray, w: np.ndarray) -> float:
-    """``‖x·Ŵᵀ − x·Wᵀ‖_F / ‖x·Wᵀ‖_F`` with ``Ŵ`` the e4m3-rows reconstruction of ``w``.
+def fp8_error_sums(x: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """``(‖x·Ŵᵀ − x·Wᵀ‖_F², ‖x·Wᵀ‖_F²)`` with ``Ŵ`` the e4m3-rows reconstruction of ``w``.
 
-    Both norms are sums over output columns, so they are summed chunk of weight rows by chunk."""
+    Both are sums over output columns, so they are summed chunk of weight rows by chunk."""
     x = np.asarray(x, np.float32)
     err2 = ref2 = 0.0
     for lo, hi in row_spans(w.shape[0], w.shape[1], _ERROR_CHUNK_ELEMS):
         part = np.asarray(w[lo:hi], np.float32)
         ref2 += float(np.linalg.norm(x @ part.T)) ** 2
         err2 += float(np.linalg.norm(x @ fp8_rows_residual(part).T)) ** 2
+    return err2, ref2
+
+
+def fp8_relative_error(x: np.ndarray, w: np.ndarray) -> float:
+    """``‖x·Ŵᵀ − x·Wᵀ‖_F / ‖x·Wᵀ‖_F`` with ``Ŵ`` the e4m3-rows reconstruction of ``w``."""
+    return _relative(*fp8_error_sums(x, w))
+
+
+def _relative(err2: float, ref2: float) -> float:
     return float(np.sqrt(err2 / ref2)) if ref2 > 0 else 0.0
+
+
+def row_parts(decl: WeightDecl) -> tuple[WeightDecl, ...]:
+    """Declarations whose rows, stacked in some order, are the rows of ``decl``: the checkpoint tensors
+    under ``identity``, ``concat_rows`` and ``interleave_rows`` (which only place whole rows), else
+    ``decl`` itself. Every output row of an FP8 weight has its own scale and every column of ``x·Wᵀ``
+    its own weight row, so both error sums of ``decl`` are the sums of its parts' and a fused weight is
+    measured without building it."""
+    if decl.transform not in _ROW_PLACING or decl.output:
+        return (decl,)
+    parts: list[WeightDecl] = []
+    for source in decl.sources:
+        parts.extend((WeightDecl.of(source),) if isinstance(source, str) else row_parts(source))
+    return tuple(parts)
 
 
 def _calibration_rows(lin: _Linear, phase: str, calibration: Mapping[str, np.ndarray]) -> np.ndarray | None:
@@ -157,7 +181,11 @@ def _measure(lin: _Linear, phase: str, ctx: PassContext) -> float | None:
                 )
             ],
         )
-    return fp8_relative_error(rows, materialize(lin.decl, ctx.tensors))
+    err2 = ref2 = 0.0
+    for part in row_parts(lin.decl):
+        part_err2, part_ref2 = fp8_error_sums(rows, materialize(part, ctx.tensors))
+        err2, ref2 = err2 + part_err2, ref2 + part_ref2
+    return _relative(err2, ref2)
 
 
 def _require_measurable(linears: list[_Linear], phase: str, ctx: PassContext) -> None:

@@ -323,6 +323,42 @@ def test_fp8_error_summed_over_weight_row_chunks_is_the_whole_matrix_formula(mon
     assert fp8_relative_error(x, np.zeros_like(w)) == 0.0
 
 
+def test_a_fused_weights_error_is_measured_part_by_part_without_building_it(monkeypatch) -> None:
+    """interleave_rows(concat_rows(a, b)) and concat_rows(a, b, c) are row placements: their FP8 error on x is
+    the one of the materialized fused matrix (f64 formula), while the measurement reads only the parts."""
+    from dflash_compiler.ir.weights import TRANSFORMS, interleave_rows
+    from dflash_compiler.ir_passes.choose_precision import _Linear, _measure, row_parts
+
+    rng = np.random.default_rng(7)
+    parts = {
+        n: (rng.standard_normal((r, 64)) * s).astype(np.float32)
+        for n, r, s in (("a", 32, 0.02), ("b", 32, 3.0), ("c", 8, 0.5))
+    }
+    x = rng.standard_normal((21, 64)).astype(np.float32)
+    gate_up = WeightDecl("interleave_rows", (WeightDecl("concat_rows", ("a", "b")),), (("group", 8),))
+    qkv = WeightDecl("concat_rows", ("a", "b", "c"))
+    fused = {
+        gate_up: interleave_rows(np.concatenate([parts["a"], parts["b"]]), group=8)[0],
+        qkv: np.concatenate([parts["a"], parts["b"], parts["c"]]),
+    }
+    assert row_parts(gate_up) == (WeightDecl.of("a"), WeightDecl.of("b"))
+    assert row_parts(qkv) == tuple(WeightDecl.of(n) for n in "abc")
+    assert row_parts(WeightDecl("fp8_e4m3_rows", (qkv,), output=1)) == (WeightDecl("fp8_e4m3_rows", (qkv,), output=1),)
+    built: list[str] = []
+    for name in ("concat_rows", "interleave_rows"):
+        monkeypatch.setitem(
+            TRANSFORMS, name, lambda *a, _f=TRANSFORMS[name], _n=name, **k: built.append(_n) or _f(*a, **k)
+        )
+    for decl, w in fused.items():
+        w8, scale = quantize_fp8_rows(w)
+        w_hat = w8.astype(np.float64) * scale[:, None]
+        exact = np.linalg.norm(x @ (w_hat - w).T) / np.linalg.norm(x.astype(np.float64) @ w.T)
+        lin = _Linear("fused", ("l",), decl, w.shape, None)
+        ctx = PassContext(tiny("tiny-dflash").config, BuildOptions(precision="auto"), parts.__getitem__, {"fused": x})
+        assert _measure(lin, "propose", ctx) == pytest.approx(exact, rel=1e-5)
+    assert built == []
+
+
 def test_e4m3_table_gives_every_codes_value() -> None:
     codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(16, 16)
     got = e4m3_as_f32(codes)
