@@ -5,6 +5,10 @@ and the target's as `target.embed_tokens` / `target.lm_head`; this maps those na
 tensors (after the checkpoint checks, which also resolve prefixed names) and returns float32 values, or
 with ``as_stored`` the values in the dtype the checkpoint stores them in (what pack-weights reads: the
 weight transforms keep a dtype, and a bf16 tensor packed as bf16 is then never widened to float32).
+
+The embedding table is the exception: a lookup reads a few of its rows, and each reader converts what it
+gathered (the interpreter, the reference), so without ``as_stored`` it is the stored table mapped read-only
+over the file's pages. An auto build then neither reads nor holds the 151936 × 4096 table in float32.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ def checkpoint_source(
     check_target(cfg, target, check_values=False)
 
     def tensor(name: str) -> np.ndarray:
-        if name == "target.embed_tokens":
-            return target.embed_tokens(as_f32=not as_stored)
+        if name == "target.embed_tokens":  # only ever gathered: its rows are converted as they are looked up
+            return target.embed_tokens() if as_stored else target.embed_tokens_mapped()
         if name == "target.lm_head":
             return target.lm_head(as_f32=not as_stored)
         stored = report.stored_names.get(name, name)

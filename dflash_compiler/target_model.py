@@ -107,17 +107,25 @@ class TargetModel:
     tied: bool
     notes: list[str] = field(default_factory=list)
 
-    def _array(self, name: str | None, what: str, searched: tuple[str, ...], as_f32: bool) -> np.ndarray:
+    def _stored_name(self, name: str | None, what: str, searched: tuple[str, ...]) -> str:
         if name is None:
             raise WeightsError(
                 f"target model {self.path}",
                 [Problem(what, f"none of {', '.join(searched)}", f"the target's {what}", "use a full HF checkpoint")],
             )
-        return self.weights.get_f32(name) if as_f32 else self.weights.get(name)
+        return name
+
+    def _array(self, name: str | None, what: str, searched: tuple[str, ...], as_f32: bool) -> np.ndarray:
+        stored = self._stored_name(name, what, searched)
+        return self.weights.get_f32(stored) if as_f32 else self.weights.get(stored)
 
     def embed_tokens(self, as_f32: bool = False) -> np.ndarray:
         """The ``[V, H]`` input embedding, as stored (or float32)."""
         return self._array(self.embed_name, "embed_tokens", EMBED_NAMES, as_f32)
+
+    def embed_tokens_mapped(self) -> np.ndarray:
+        """The ``[V, H]`` input embedding as stored, read-only over the file's pages (rows read on touch)."""
+        return self.weights.get_mapped(self._stored_name(self.embed_name, "embed_tokens", EMBED_NAMES))
 
     def lm_head(self, as_f32: bool = False) -> np.ndarray:
         """The ``[V, H]`` output head: the embedding when tied."""

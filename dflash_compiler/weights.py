@@ -346,6 +346,18 @@ class WeightSet:
             del stored  # the map closes only once no array views it
         return out
 
+    def get_mapped(self, name: str) -> np.ndarray:
+        """The tensor as stored, read-only, over the file's pages: only the rows a caller touches are read
+        (the rows an embedding lookup gathers, not the whole table)."""
+        info = self.tensor_info(name)
+        dtype = self._np_dtype(info)
+        if info.nbytes == 0 or info.offset + info.nbytes > info.file.stat().st_size:
+            return self.get(name)  # get() names the tensor and the bytes it lacks
+        with info.file.open("rb") as fh:
+            pages = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)  # stays open while the array views it
+        count = math.prod(info.shape)
+        return np.frombuffer(pages, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
+
     def iter_chunks(self, name: str, chunk_bytes: int = _CHUNK_BYTES) -> Iterator[np.ndarray]:
         """The tensor's elements, flattened, in pieces of at most ``chunk_bytes`` (bounds memory)."""
         info = self.tensor_info(name)

@@ -194,7 +194,8 @@ def _block_ids(node: Node, args: list[np.ndarray]) -> np.ndarray:
 
 
 def _embed(node: Node, ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    return _f32(table)[np.asarray(ids, np.int64)] * float(node.attr("scale"))
+    # the rows first, then float32: a table may be the stored one, mapped over its file (sources.py)
+    return _f32(table[np.asarray(ids, np.int64)]) * float(node.attr("scale"))
 
 
 def _drop_anchor(node: Node, args: list[np.ndarray]) -> np.ndarray:

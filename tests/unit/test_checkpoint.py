@@ -214,3 +214,26 @@ def test_random_draws_are_one_stream_per_row_block():
         np.testing.assert_array_equal(big[lo:hi], want, err_msg=name)
     np.testing.assert_array_equal(big, standard_normal(3, "lm_head", shape, 0.5))
     assert abs(float(big.std()) - 0.5) < 0.005 and abs(float(big.mean())) < 0.005
+
+
+def test_the_f32_tensor_source_maps_the_embedding_and_the_interpreter_gathers_its_rows_exactly(tmp_path):
+    """checkpoint_source gives every tensor in float32 except the embedding table, which a lookup only
+    gathers: the stored table, read-only over the file. The interpreter's lookups in it are the lookups in
+    the float32 table, bit for bit."""
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.ir import Node, Op, TensorType, evaluate_node
+    from dflash_compiler.sources import checkpoint_source
+
+    write_example("tiny-dflash", tmp_path, seed=2)
+    cfg = load_drafter_config(tmp_path / "drafter")
+    source = checkpoint_source(cfg, tmp_path / "drafter", tmp_path / "target")
+    target = load_target(tmp_path / "target", cfg)
+    table, full = source("target.embed_tokens"), target.embed_tokens(as_f32=True)
+    assert table.dtype == ml_dtypes.bfloat16 and not table.flags.writeable
+    np.testing.assert_array_equal(table.astype(np.float32), full)
+    assert source("target.lm_head").dtype == np.float32
+    ids = np.array([3, cfg.vocab_size - 1, 0, 3], np.int32)
+    node = Node.make(Op.EMBED, [TensorType("bfloat16", ("m", cfg.hidden_size))], scale=0.5)
+    (got,) = evaluate_node(node, [ids, table])
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, full[ids] * np.float32(0.5))

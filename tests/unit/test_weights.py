@@ -87,6 +87,23 @@ def test_get_f32_of_a_file_cut_short_after_opening_names_the_tensor(tmp_path):
         ws.get_f32("w")
 
 
+def test_get_mapped_is_the_stored_tensor_read_only_and_a_gather_reads_its_rows(tmp_path):
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((300, 64), dtype=np.float32).astype(BF16)
+    ws = WeightSet(save(tmp_path, {"table": table, "f32": table.astype(np.float32)[:7]}))
+    mapped = ws.get_mapped("table")
+    assert mapped.dtype == BF16 and mapped.shape == table.shape and not mapped.flags.writeable
+    np.testing.assert_array_equal(mapped.view(np.uint16), table.view(np.uint16))
+    ids = np.array([299, 0, 17, 17])
+    np.testing.assert_array_equal(mapped[ids].astype(np.float32), ws.get_f32("table")[ids])
+    np.testing.assert_array_equal(ws.get_mapped("f32"), table.astype(np.float32)[:7])
+    cut = WeightSet(save(tmp_path / "cut", {"w": np.ones((64, 64), np.float32)}))
+    file = tmp_path / "cut" / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match=r"bytes for tensor w"):
+        cut.get_mapped("w")
+
+
 def test_any_safetensors_name_and_a_file_path(tmp_path):
     save(tmp_path, {"x": np.ones(3, np.float32)}, name="pytorch_weights.safetensors")
     assert has_safetensors(tmp_path)
