@@ -335,16 +335,7 @@ class WeightSet:
 
     def get_f32(self, name: str) -> np.ndarray:
         """The tensor converted to float32 (a fresh array), read straight from the file's pages."""
-        info = self.tensor_info(name)
-        dtype = self._np_dtype(info)
-        if info.nbytes == 0 or info.offset + info.nbytes > info.file.stat().st_size:
-            return self.get(name).astype(np.float32)  # get() names the tensor and the bytes it lacks
-        count = math.prod(info.shape)
-        with info.file.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as pages:
-            stored = np.frombuffer(pages, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
-            out = cast_rows(stored, np.float32)
-            del stored  # the map closes only once no array views it
-        return out
+        return cast_rows(self.get_mapped(name), np.float32)  # the map closes once the stored view is gone
 
     def get_mapped(self, name: str) -> np.ndarray:
         """The tensor as stored, read-only, over the file's pages: only the rows a caller touches are read
