@@ -133,15 +133,17 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
 # the warpgroup GEMM (linear_wgmma.py, on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits[, mma_groups
-# [, k_reduce]]) variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged n, rows
-# of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8 splits), slots of two
-# atoms, one to three warpgroups, 40-, 64- and 256-row x tiles
+# [, k_reduce[, roles]]]) variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged
+# n, rows of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8 splits), slots
+# of two atoms, one to three warpgroups, 40-, 64- and 256-row x tiles, and a producer warp (roles 2) with one or
+# two groups in flight, two to four slots, fewer slots than a split has and more
 WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
 WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16), ("matmul_fp8", 200, 256, FP8),
              ("lm_head", 384, 512, FP8))  # fmt: skip
 WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1, 40, 3, 2, 1), (3, 128, 3, 1, 1, 2),
                       (1, 64, 4, 2, 2, 2), (2, 64, 3, 2, 2, 1, 2), (1, 40, 3, 1, 4, 2, 2), (3, 128, 3, 1, 8, 1, 2),
-                      (2, 256, 2, 1, 4, 1, 2))  # fmt: skip
+                      (2, 256, 2, 1, 4, 1, 2), (1, 40, 3, 2, 1, 1, 1, 2), (2, 64, 3, 2, 2, 2, 1, 2),
+                      (3, 128, 4, 1, 1, 2, 1, 2), (1, 128, 2, 1, 4, 1, 1, 2), (2, 256, 3, 1, 2, 1, 1, 2))  # fmt: skip
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -239,7 +241,8 @@ def build(args: argparse.Namespace) -> None:
                 "gemm_wgmma": 1,
                 **{f"wgmma_{key}": v for key, v in zip(WGMMA_KNOBS, values, strict=False)},
             }
-            tag = "g{}n{}s{}a{}k{}".format(*values) + "".join(f"{c}{v}" for c, v in zip("qr", values[5:], strict=False))
+            extra = "".join(f"{c}{v}" for c, v in zip("qrp", values[5:], strict=False))  # mma_groups, k_reduce, roles
+            tag = "g{}n{}s{}a{}k{}".format(*values) + extra
             add_variant(label, spec, tag, rows, knobs, timed)
 
     if args.gemm:
@@ -247,9 +250,10 @@ def build(args: argparse.Namespace) -> None:
             for wdtype in (BF16, FP8):
                 name, spec = linear(label, wdtype)
                 add(name, spec, mma, GEMM_ROWS)
-                add_variant(name, spec, "gemv", GEMM_ROWS[1:], {"gemm_rows": 0})
-                add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
-                add_tiled(name, spec, args.gemm_variant or TILED_VARIANTS, GEMM_ROWS[1:])
+                if not args.wgmma_only:
+                    add_variant(name, spec, "gemv", GEMM_ROWS[1:], {"gemm_rows": 0})
+                    add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
+                    add_tiled(name, spec, args.gemm_variant or TILED_VARIANTS, GEMM_ROWS[1:])
                 add_wgmma(name, spec, args.wgmma_variant or WGMMA_VARIANTS, GEMM_ROWS[1:])
         for op, n, k, wdtype in GEMM_ODD:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
@@ -567,9 +571,14 @@ def main() -> int:
     b.add_argument(
         "--wgmma-variant",
         action="append",
-        type=_knob_values((5, 6, 7), "2,128,3,1,1"),
-        metavar="G,BM,S,A,KS[,MG[,KR]]",
+        type=_knob_values((5, 6, 7, 8), "2,128,3,1,1"),
+        metavar="G,BM,S,A,KS[,MG[,KR[,R]]]",
         help="with --gemm: a warpgroup GEMM variant (wgmma_ knobs in WGMMA_KNOBS order) instead of the built-in ones",
+    )
+    b.add_argument(
+        "--wgmma-only",
+        action="store_true",
+        help="with --gemm: only the default and the warpgroup GEMM's variants (no GEMV mode, x ring or tiled GEMM)",
     )
     b.add_argument("-o", "--out", required=True)
     r = sub.add_parser("run", help="GPU box: check and time every kernel")

@@ -15,7 +15,9 @@ events), the PyTorch peer (static cache, fused projections, SDPA, the whole step
 roofline (bytes one step must read ÷ the device-to-device copy bandwidth measured in the same run). It
 prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per nb, a per-kernel breakdown
 of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when each kernel of one
-replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two bundles).
+replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two bundles). Given
+several bundles, `run` measures each one's variants in turn in the same process (one checkpoint, one copy
+bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two builds.
 Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its drafts are not
 compared.
 """
@@ -401,16 +403,19 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"device": device.name, "copy_gbps": bandwidth / 1e9, "rows": [], "load": {}}
     peer_ms: dict[int, float] = {}
     pool: np.ndarray | None = None  # the taps every sequence's cache is filled from (_fill)
-    for variant in args.variants:
+    # several bundles (an A/B of two builds): each variant of each, against the same checkpoint and bandwidth
+    runs = [(Path(bundle), variant) for bundle in args.bundle for variant in args.variants]
+    for bundle, variant in runs:
         precision, dependent = {name: (p, d) for name, p, d in VARIANTS}[variant]
-        artifact = Path(args.bundle) / f"{EXAMPLE}-sm_90-{variant}"
-        local = work / artifact.name
+        label = f"{bundle.name}/{variant}" if len(args.bundle) > 1 else variant
+        artifact = bundle / f"{EXAMPLE}-sm_90-{variant}"
+        local = work / label.replace("/", "-")
         shutil.copytree(artifact, local)
         pack_weights(local, work / "ckpt" / "drafter", work / "ckpt" / "target")
-        torch_here = variant == "bf16" and not args.no_torch
+        torch_here = variant == "bf16" and not args.no_torch and not peer_ms
         if torch_here:
             tw = _torch_weights(local)
-        print(f"\n== {variant}: {local.name}")
+        print(f"\n== {label}: {artifact}")
         head = ("nb", "ours ms", "torch ms", "roof ms", "GB/s", "% roof", "x roof", "vs torch")
         print("{:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>7} {:>8}".format(*head))
         start = time.perf_counter()
@@ -430,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"load: {bare_s:.2f} s with every weight borrowed; {full_s:.2f} s reading and uploading {weight_gb:.2f} GB"
         )
-        results["load"][variant] = {"borrowed_weights_s": bare_s, "with_weights_s": full_s, "weights_gb": weight_gb}
+        results["load"][label] = {"borrowed_weights_s": bare_s, "with_weights_s": full_s, "weights_gb": weight_gb}
         for nb in args.batches:
             rng = np.random.default_rng(nb)
             width = int(drafter.phases["append_context"].plan.values["taps"].shape[1])
@@ -459,6 +464,7 @@ def run(args: argparse.Namespace) -> int:
             results["rows"].append(
                 {
                     "variant": variant,
+                    "bundle": str(bundle),
                     "precision": precision,
                     "nb": nb,
                     "ours_ms": ours["ms"],
@@ -505,7 +511,7 @@ def main() -> int:
     b.add_argument("-o", "--out", required=True)
     b.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r = sub.add_parser("run", help="GPU box: pack, fill the caches, measure")
-    r.add_argument("bundle")
+    r.add_argument("bundle", nargs="+", help="one bundle, or several to compare in one run (an A/B of two builds)")
     r.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     r.add_argument(

@@ -25,6 +25,7 @@ from dflash_compiler.dependent_launch import add_dependent_launch
 from dflash_compiler.errors import DFlashError
 from dflash_compiler.fast_exp2 import PRELUDE as EXP2_PRELUDE
 from dflash_compiler.fp8_convert import PRELUDE as FP8_PRELUDE
+from dflash_compiler.mbarrier import PRELUDE as MBARRIER_PRELUDE
 from dflash_compiler.runtime.expr import evaluate, expression_names
 from dflash_compiler.wgmma import PRELUDE as WGMMA_PRELUDE
 from dflash_compiler.wgmma import needed_prelude as wgmma_functions
@@ -191,7 +192,7 @@ def lower_with_ir(mod: Any, target: Any) -> tuple[CudaModule, Any]:
     kernels = add_dependent_launch(imports[0].inspect_source())
     clusters = cluster_dims(kernels)
     kernels = add_cluster_dims(kernels, clusters)
-    preludes = FP8_PRELUDE + EXP2_PRELUDE + WGMMA_PRELUDE + (CLUSTER_PRELUDE if clusters else "")
+    preludes = FP8_PRELUDE + EXP2_PRELUDE + WGMMA_PRELUDE + MBARRIER_PRELUDE + (CLUSTER_PRELUDE if clusters else "")
     source = preludes + wgmma_functions(kernels) + kernels
     functions = {name: _with_clusters(f, clusters) for name, f in _kernel_table(capture.mod).items()}
     missing = [n for n in names if n not in functions]

@@ -40,7 +40,15 @@ from .argmax import RANK_BASE, chunk_partials, coarse_bf16, default_chunk, index
 from .base import EXACT, FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError, Tolerance
 from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 from .linear_tiled import TILED_KNOBS, TiledPlan
-from .linear_wgmma import CLUSTER_REDUCE, KERNEL_REDUCE, WGMMA_KNOBS, WgmmaPlan
+from .linear_wgmma import (
+    CLUSTER_REDUCE,
+    KERNEL_REDUCE,
+    PRODUCER_ROLES,
+    PRODUCER_WARPS,
+    SHARED_ROLES,
+    WGMMA_KNOBS,
+    WgmmaPlan,
+)
 
 ROWS = "m"  # the symbolic row count; the launch plan binds it to the node's row dim (nb*blk, ctx, ...)
 BF16, FP8, F32, I32 = "bfloat16", "float8_e4m3fn", "float32", "int32"
@@ -640,6 +648,15 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     52.7, 52.1 and 152.7. FP8, one group in flight against none: gate_up_fp8 76.2 µs (five slots) against
     103.6, lm_head_fp8 458.1 against 572.3, down_fp8 48.5 against 50.4 (the tiled GEMM: 137.2, 591.9,
     285.8); bf16 gained nothing from it at 128 rows (gate_up 59.5 against 59.3, lm_head 367.3 against 365.8).
+
+    Every warp copies (roles 1): a producer warpgroup (roles 2) was no faster at 64 or 128 rows. H100, µs at
+    64 / 128 / 256 rows, these shapes with roles 1 → 2 (bench/linear.py --gemm, dependent launches, two
+    rounds, 388/388 numpy checks): qkv 27.5 / 32.4 / 44.6 → 29.0 / 35.0 / 47.0, o_proj 17.8 / 21.4 / 32.1 →
+    19.2 / 23.5 / 35.2, down 43.9 / 48.3 / 68.7 → 44.9 / 50.7 / 73.0, gate_up 77.3 / 80.5 / 107.8 → 76.4 /
+    79.4 / 100.2, lm_head 461.8 / 486.8 / 705.8 → 461.0 / 486.9 / 684.0; FP8 gate_up 75.9 / 76.8 / 152.5 →
+    75.8 / 75.3 / 153.5, lm_head 435.0 / 486.5 / 918.7 → 445.0 / 502.0 / 954.7, qkv 32.8 / 34.3 / 66.4 →
+    35.6 / 38.9 / 74.5. A single producer warp issued the copies too slowly (the bf16 step at nb = 16 on an
+    H200: 3.108 against 2.338 ms). Only the wide bf16 weights at 256 rows gain (3-7 %), so roles 2 is a knob.
     """
     atoms = spec.k // 64
     # per weight row and split: m = 128 f32 partial sums written and read back, against the row's weight
@@ -665,7 +682,7 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
                               "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
-    return best[1]
+    return {**best[1], "roles": SHARED_ROLES}
 
 
 def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan:
@@ -689,6 +706,17 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             "(wait for each slot's wgmmas) or 2 (one slot's stay in flight) groups, and more slots than groups "
             "(a slot's copies fly while the groups' slots are read)"
         )
+    if values["roles"] not in (SHARED_ROLES, PRODUCER_ROLES):
+        raise ScheduleError(
+            f"{rule} knob wgmma_roles={values['roles']}: expected {SHARED_ROLES} (every warp copies and multiplies) or "
+            f"{PRODUCER_ROLES} (one more warpgroup copies, the others multiply)"
+        )
+    if values["roles"] == PRODUCER_ROLES and values["k_reduce"] == CLUSTER_REDUCE:
+        raise ScheduleError(
+            f"{rule} knobs wgmma_roles={PRODUCER_ROLES}, wgmma_k_reduce={CLUSTER_REDUCE}: the cluster's store meets "
+            "every thread of the cluster, and the producer warpgroup has no accumulators. Fix: wgmma_k_reduce "
+            f"{KERNEL_REDUCE}, or wgmma_roles {SHARED_ROLES}"
+        )
     if values["k_reduce"] not in (KERNEL_REDUCE, CLUSTER_REDUCE):
         raise ScheduleError(
             f"{rule} knob wgmma_k_reduce={values['k_reduce']}: expected {KERNEL_REDUCE} (the k splits' partial sums "
@@ -696,10 +724,12 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
         )
     if values["block_m"] % 8 or values["block_m"] > 256:
         raise ScheduleError(f"{rule} knob wgmma_block_m={values['block_m']}: wgmma's N is a multiple of 8 up to 256")
-    if WARP * 4 * values["warpgroups"] > target.max_threads_per_block:
+    producer = PRODUCER_WARPS if values["roles"] == PRODUCER_ROLES else 0
+    if WARP * (4 * values["warpgroups"] + producer) > target.max_threads_per_block:
         raise ScheduleError(
             f"{rule} knob wgmma_warpgroups={values['warpgroups']}: at most "
-            f"{target.max_threads_per_block // (4 * WARP)} warpgroups per block on {target.name}"
+            f"{(target.max_threads_per_block // WARP - producer) // 4} warpgroups per block on {target.name}"
+            + (" beside the producer's" if producer else "")
         )
     atoms = spec.k // 64
     cluster = values["k_reduce"] == CLUSTER_REDUCE

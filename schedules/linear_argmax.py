@@ -48,11 +48,12 @@ def pick_blocks(spec: LinearSpec, plan: Any) -> int:
     return -(-spec.n // plan.block_n)
 
 
-def pick_macro(spec: LinearSpec, plan: Any) -> Any:
+def pick_macro(spec: LinearSpec, plan: Any, inactive_meet: bool = False) -> Any:
     """A TVMScript macro `pick(scale, part, m, acc, smem, bm, bn, wn, wm, g, t, tid, active)`: the block's
     best logit per row of x into part[:, row, bn] (module docstring). `smem` is the kernel's dynamic
     shared memory (at least `pick_bytes(plan)`), `plan` has the fields linear_tiled.store_macro reads and
-    `n_warps`, `threads`."""
+    `n_warps`, `threads`. Threads not `active` write no slot; with `inactive_meet` they are threads past
+    `plan.threads` that only meet the block barriers (a producer warp), and pick no row either."""
     from tvm.script import tirx as T
 
     n, fp8 = spec.n, spec.fp8
@@ -110,7 +111,7 @@ def pick_macro(spec: LinearSpec, plan: Any) -> Any:
         T.tvm_storage_sync("shared")
         for r in T.unroll(rounds):
             row = T.meta_var(r * threads + tid)
-            if (bm_rows % threads == 0 or row < bm_rows) and bm * bm_rows + row < m:
+            if (active or not inactive_meet) and (bm_rows % threads == 0 or row < bm_rows) and bm * bm_rows + row < m:
                 key[0] = slots[0, 0, row]
                 rank[0] = slots[1, 0, row]
                 for w in T.unroll(n_warps - 1):

@@ -24,6 +24,17 @@ converts the chunks it copied into a bf16 tile of the swizzled layout (four valu
 fp8_convert.py's integer conversion, exact); a second fence and barrier then let the wgmmas read it. The
 per-row scale is applied where the accumulators are stored (or by the k-split merge).
 
+With `roles` 2 (PRODUCER_ROLES) the copies leave the multiplying warpgroups: one more warpgroup (the
+producer) copies every slot, and each slot has a "full" and a "free" mbarrier (dflash_compiler/mbarrier.py)
+instead of the block barrier. The producer issues the first `stages` slots (their weight before the wait
+for x's writer), then per slot c waits for its copies (`cp.async.wait_group`), fences them to the async
+proxy and arrives on full[c]; then it refills the ring slot of slot c - mma_groups, once the multiplying
+threads have all arrived on its free barrier, which they do after waiting for the wgmmas that read it
+(its x rows, and its weight rows or, FP8, the bf16 tile each warpgroup converted its own 64 weight rows of
+it into, between two barriers of the warpgroup's four warps alone: a thread's wgmma wait covers its own
+warp's part of the product). Only the multiplying warps store; the producer meets the argmax epilogue's
+block barriers and writes nothing. A phase of a barrier is one use of its slot, waited for by parity.
+
 The accumulators of a warp follow mma.sync's m16n8 layout, one 16-row weight tile by block_m / 8 x tiles,
 so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m tiles, n tiles, k splits),
 the m tiles of one weight tile neighbours in launch order (the weight crosses from DRAM once), and with
@@ -45,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_compiler.cluster import ADD4, DIMS, SYNC
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
+from dflash_compiler.mbarrier import ARRIVE, BARRIER_BYTES, INIT, NAMED_SYNC, WAIT_PARITY
 from dflash_compiler.wgmma import (
     COMMIT,
     FENCE,
@@ -56,6 +68,7 @@ from dflash_compiler.wgmma import (
     wait_name,
 )
 
+from .base import ScheduleError
 from .linear_argmax import pick_macro, pick_merge_macro
 from .linear_tiled import merge_macro, store_macro
 
@@ -67,9 +80,12 @@ WARPGROUP = 4 * WARP
 ATOM_K = SWIZZLE_BYTES // 2  # bf16 per swizzled row
 WGMMA_K = 16
 # the plan's knob fields (LinearMmaRule takes them as wgmma_<name>)
-WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups", "k_reduce")
+WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups", "k_reduce", "roles")
 # how the k splits of a tile add up (k_reduce): a workspace and a merge kernel, or within a thread block cluster
 KERNEL_REDUCE, CLUSTER_REDUCE = 1, 2
+# who copies (roles): every warp copies and multiplies, or one more warp copies for the multiplying warpgroups
+SHARED_ROLES, PRODUCER_ROLES = 1, 2
+PRODUCER_WARPS = 4  # one warp alone issued the copies too slowly (H200, bf16 step at nb = 16: 3.108 against 2.338 ms)
 CLUSTER_PAD = 4  # floats past each row of the cluster's f32 tile: rows stay 16-byte aligned, banks shift
 
 
@@ -85,6 +101,7 @@ class WgmmaPlan:
     mma_groups: int = 1  # slots' wgmma groups a warpgroup has in flight: 2 keeps one running into the next slot
     weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
     k_reduce: int = KERNEL_REDUCE  # KERNEL_REDUCE or CLUSTER_REDUCE (module docstring)
+    roles: int = SHARED_ROLES  # SHARED_ROLES or PRODUCER_ROLES (module docstring)
 
     # the store's view of a warp (linear_tiled.store_macro): one 16-row weight tile by block_m / 8 x tiles
     n_tiles = 1
@@ -104,7 +121,18 @@ class WgmmaPlan:
 
     @property
     def threads(self) -> int:
+        """The threads that multiply (and, without a producer, copy): the accumulators' and epilogues' threads."""
         return WARPGROUP * self.warpgroups
+
+    @property
+    def producer(self) -> bool:
+        """One more warp copies every slot, and the multiplying warpgroups only wait for and free slots."""
+        return self.roles == PRODUCER_ROLES
+
+    @property
+    def block_warps(self) -> int:
+        """Warps per block: the multiplying ones, then the producer."""
+        return self.n_warps + (PRODUCER_WARPS if self.producer else 0)
 
     @property
     def slot_k(self) -> int:
@@ -136,37 +164,32 @@ class WgmmaPlan:
         """The cluster's f32 tile of a block's partial sums, over the pipeline's slots (none without one)."""
         return self.block_m * (self.block_n + CLUSTER_PAD) * 4 if self.cluster else 0
 
+    def barrier_bytes(self) -> int:
+        """A producer's slots' full and free barriers (mbarrier.py), after the slots and converted tiles."""
+        return 2 * self.stages * BARRIER_BYTES if self.producer else 0
+
     def shared_bytes(self) -> int:
-        return max(self.stages * self.stage_bytes() + self.converted_bytes(), self.reduce_bytes())
+        slots = self.stages * self.stage_bytes() + self.converted_bytes()
+        return max(slots + self.barrier_bytes(), self.reduce_bytes())
 
     def knobs(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in WGMMA_KNOBS}
 
 
-def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
-    """The kernel(s) of `plan` as a TVMScript macro `body(x, w, scale, y, m, part)`, as linear_tiled's."""
+def _slot_macros(spec: LinearSpec, plan: WgmmaPlan, threads: int, converters: int, rows: int) -> tuple[Any, Any, Any]:
+    """`(load_w_stage, load_x_stage, convert)`: TVMScript macros by which `threads` threads (tid 0 ..
+    threads - 1) copy a slot's weight rows and x rows, and (FP8) `converters` threads convert `rows` weight
+    rows of a slot from `row0` on into the bf16 tile the wgmmas read."""
     from tvm.script import tirx as T
 
-    n, k, fp8, wdtype = spec.n, spec.k, spec.fp8, spec.weight_dtype
-    bn_rows, bm_rows, threads, stages = plan.block_n, plan.block_m, plan.threads, plan.stages
-    k_atoms, k_splits = plan.k_atoms, plan.k_splits
-    per_split = k // plan.slot_k // k_splits  # slots per split
-    n_acc = bm_rows // 2
-    groups, lead = plan.mma_groups, plan.lead
+    n, k, fp8 = spec.n, spec.k, spec.fp8
+    bn_rows, bm_rows, k_atoms = plan.block_n, plan.block_m, plan.k_atoms
+    per_split = k // plan.slot_k // plan.k_splits  # slots per split
     w_row_chunks = ATOM_K * plan.weight_bytes // 16  # 16-byte chunks of a weight row's atom: 8 bf16, 4 e4m3
     w_chunks, x_chunks = k_atoms * bn_rows * w_row_chunks, k_atoms * bm_rows * 8  # 16-byte chunks per slot
     w_rounds, x_rounds = -(-w_chunks // threads), -(-x_chunks // threads)
-    n_blocks = -(-n // bn_rows)
-    w_elems = stages * k_atoms * bn_rows * ATOM_K * plan.weight_bytes // 2  # the weight slots, in bf16 units
-    x_elems = stages * k_atoms * bm_rows * ATOM_K
-    mma, wait = mma_name(bm_rows), wait_name(bm_rows)
-    store = store_macro(spec, plan)
-    merge = merge_macro(spec, k_splits)
-    picks = spec.picks
-    # lm_head_argmax's epilogue, built only for it (every macro parses its source)
-    pick, pick_merge = (pick_macro(spec, plan), pick_merge_macro(spec, plan)) if picks else (None, None)
-    cluster = plan.cluster
-    cluster_store = cluster_store_macro(spec, plan) if cluster else None
+    c_chunks = k_atoms * rows * w_row_chunks  # the chunks one converter set converts
+    c_rounds = -(-c_chunks // converters)
 
     def w_column(c: Any, row: Any) -> Any:
         # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones
@@ -208,14 +231,14 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
         T.evaluate(T.ptx["cp.async.commit_group"]())
 
     @T.macro
-    def convert(ws, wc, tid, slot, tile):
+    def convert(ws, wc, tid, slot, tile, row0):
         # FP8: each 16-byte e4m3 chunk of the slot becomes two bf16 chunks of the swizzled tile, four values
-        # per call (fp8_convert.py); the tile is free once every warpgroup waited for its last wgmmas
-        for i in T.unroll(w_rounds):
-            c = T.meta_var(i * threads + tid)
-            atom = T.meta_var(c // (bn_rows * w_row_chunks))
-            row = T.meta_var(c // w_row_chunks % bn_rows)
-            if w_chunks % threads == 0 or c < w_chunks:
+        # per call (fp8_convert.py); the tile is free once the warpgroups reading it waited for their wgmmas
+        for i in T.unroll(c_rounds):
+            c = T.meta_var(i * converters + tid)
+            atom = T.meta_var(c // (rows * w_row_chunks))
+            row = T.meta_var(row0 + c // w_row_chunks % rows)
+            if c_chunks % converters == 0 or c < c_chunks:
                 for q in T.unroll(4):
                     col = T.meta_var(T.bitwise_xor(c % w_row_chunks * 2 + q // 2, row % 8) * 8 + q % 2 * 4)
                     T.evaluate(T.call_extern(
@@ -225,18 +248,153 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                         T.address_of(ws[slot, atom, row, c % w_row_chunks * 16 + q * 4]),
                     ))  # fmt: skip
 
+    return load_w_stage, load_x_stage, convert
+
+
+def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
+    """The kernel(s) of `plan` as a TVMScript macro `body(x, w, scale, y, m, part)`, as linear_tiled's."""
+    from tvm.script import tirx as T
+
+    k, fp8, wdtype = spec.k, spec.fp8, spec.weight_dtype
+    bn_rows, bm_rows, stages = plan.block_n, plan.block_m, plan.stages
+    k_atoms, k_splits = plan.k_atoms, plan.k_splits
+    per_split = k // plan.slot_k // k_splits  # slots per split
+    n_acc = bm_rows // 2
+    groups, lead = plan.mma_groups, plan.lead
+    n_blocks = -(-spec.n // bn_rows)
+    w_elems = stages * k_atoms * bn_rows * ATOM_K * plan.weight_bytes // 2  # the weight slots, in bf16 units
+    x_elems = stages * k_atoms * bm_rows * ATOM_K
+    mma, wait = mma_name(bm_rows), wait_name(bm_rows)
+    store = store_macro(spec, plan)
+    merge = merge_macro(spec, k_splits)
+    picks = spec.picks
+    cluster = plan.cluster
+    cluster_store = cluster_store_macro(spec, plan) if cluster else None
+    producer = plan.producer
+    if producer and cluster:
+        raise ScheduleError(
+            f"{spec.name}: wgmma roles={PRODUCER_ROLES} (a producer warpgroup) with k_reduce={CLUSTER_REDUCE}: the "
+            "cluster's store meets every thread of the cluster, and the producer has left. Fix: k_reduce "
+            f"{KERNEL_REDUCE}, or roles {SHARED_ROLES}"
+        )
+    # lm_head_argmax's epilogue, built only for it (every macro parses its source)
+    pick, pick_merge = (pick_macro(spec, plan, producer), pick_merge_macro(spec, plan)) if picks else (None, None)
+    # who copies, and who converts which weight rows (FP8): the producer warpgroup and each multiplying
+    # warpgroup its own 64,
+    # or every thread all of them
+    load_w_stage, load_x_stage, convert = (
+        _slot_macros(spec, plan, PRODUCER_WARPS * WARP, WARPGROUP, 64) if producer else
+        _slot_macros(spec, plan, plan.threads, plan.threads, bn_rows)
+    )  # fmt: skip
+    # the barriers after the slots and converted tiles, in bf16 units (8-byte aligned: every part is)
+    bar_elems = w_elems + x_elems + plan.converted_bytes() // 2
+
+    @T.macro
+    def multiply(acc, ws, wc, xs, wg, kt):
+        T.evaluate(T.call_extern("void", FENCE))
+        for atom in T.unroll(k_atoms):
+            for kk in T.unroll(ATOM_K // WGMMA_K):
+                T.evaluate(T.call_extern(
+                    "void", mma, T.address_of(acc[0]),
+                    T.address_of(wc[kt % groups, atom, wg * 64, kk * WGMMA_K]) if fp8 else
+                    T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
+                    T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
+                ))  # fmt: skip
+        T.evaluate(T.call_extern("void", COMMIT))
+
+    @T.macro
+    def shared_loop(x, w, m, acc, ws, wc, xs, bm, bn, ks, tid, wg):
+        # every warp copies its share of each slot and multiplies; a block barrier per slot
+        for s in T.unroll(lead):
+            load_w_stage(w, ws, bn, ks, tid, s, s)
+        T.evaluate(T.call_extern("void", WAIT))
+        for s in T.unroll(lead):
+            load_x_stage(x, m, xs, bm, ks, tid, s, s)
+        for kt in range(per_split):
+            T.evaluate(T.ptx["cp.async.wait_group"](lead - 1))
+            T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+            # everyone's copies of slot kt landed, and every wgmma that read the slot
+            # (and FP8 tile) overwritten next has completed (each thread waited)
+            T.tvm_storage_sync("shared")
+            load_w_stage(w, ws, bn, ks, tid, (kt + lead) % stages, kt + lead)
+            load_x_stage(x, m, xs, bm, ks, tid, (kt + lead) % stages, kt + lead)
+            if kt == max(per_split - 1 - lead, 0):  # the last weight copies are out
+                T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
+            if fp8:
+                convert(ws, wc, tid, kt % stages, kt % groups, 0)
+                T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                T.tvm_storage_sync("shared")
+            multiply(acc, ws, wc, xs, wg, kt)
+            if groups == 1:
+                T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+            else:  # the slot before's group has completed; this one runs on
+                T.evaluate(T.call_extern("void", WAIT_PRIOR))
+        if groups > 1:
+            T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+
+    @T.macro
+    def produce(x, w, m, ws, xs, bars, bm, bn, ks, ptid):
+        # the producer warpgroup. Iteration c marks slot c full once its copies landed, then refills the ring
+        # slot of slot c - mma_groups, which the consumers free once they have waited for its wgmmas (which
+        # needs slot c - mma_groups + 1 full, marked already), with slot c - mma_groups + stages. One copy
+        # group per slot in the first `stages`, then one per iteration (empty where nothing is left): slot
+        # c >= stages is group c + mma_groups, so waiting for it leaves stages - mma_groups - 1 newer ones
+        for s in T.unroll(stages):
+            load_w_stage(w, ws, bn, ks, ptid, s, s)
+        T.evaluate(T.call_extern("void", WAIT))
+        for s in T.unroll(stages):
+            load_x_stage(x, m, xs, bm, ks, ptid, s, s)
+        for c in range(per_split):
+            T.evaluate(T.ptx["cp.async.wait_group"](stages - groups - 1))
+            T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+            T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[0, c % stages])))
+            if c >= groups:
+                if c - groups + stages < per_split:
+                    T.evaluate(T.call_extern("void", WAIT_PARITY, T.address_of(bars[1, (c - groups) % stages]),
+                                             (c - groups) // stages % 2))  # fmt: skip
+                load_w_stage(w, ws, bn, ks, ptid, (c - groups) % stages, c - groups + stages)
+                load_x_stage(x, m, xs, bm, ks, ptid, (c - groups) % stages, c - groups + stages)
+            else:
+                T.evaluate(T.ptx["cp.async.commit_group"]())
+            if c == max(per_split - 1 - stages + groups, 0):  # the last weight copies are out
+                T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
+
+    @T.macro
+    def consume(acc, ws, wc, xs, bars, tid, wg):
+        # a multiplying warpgroup: wait for slot kt to be full, multiply, free it once its wgmmas completed
+        for kt in range(per_split):
+            T.evaluate(T.call_extern("void", WAIT_PARITY, T.address_of(bars[0, kt % stages]), kt // stages % 2))
+            if fp8:  # the warpgroup converts its own 64 weight rows into its part of the bf16 tile
+                # a thread's wait covers its own warp's part of the wgmmas: all four must be past the last
+                # reads of the tile before any of them overwrites it
+                T.evaluate(T.call_extern("void", NAMED_SYNC, 2 + wg, WARPGROUP))
+                convert(ws, wc, tid % WARPGROUP, kt % stages, kt % groups, wg * 64)
+                T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                T.evaluate(T.call_extern("void", NAMED_SYNC, 2 + wg, WARPGROUP))
+            multiply(acc, ws, wc, xs, wg, kt)
+            # the slot's x rows are read by its wgmmas (and its bf16 weight rows): free once they completed
+            if groups == 1:
+                T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+                T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[1, kt % stages])))
+            else:  # the slot before's group has completed; this one runs on
+                T.evaluate(T.call_extern("void", WAIT_PRIOR))
+                if kt > 0:
+                    T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[1, (kt - 1) % stages])))
+        if groups > 1:
+            T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+
     @T.macro
     def body(x, w, scale, y, m, part):
         for bm in T.thread_binding(T.ceildiv(m, bm_rows), thread="blockIdx.x"):
             for bn in T.thread_binding(n_blocks, thread="blockIdx.y"):
                 for ks in T.thread_binding(k_splits, thread="blockIdx.z"):
-                    for ty in T.thread_binding(plan.n_warps, thread="threadIdx.y"):
+                    for ty in T.thread_binding(plan.block_warps, thread="threadIdx.y"):
                         for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                             with T.sblock("wgmma"):
                                 T.reads()
                                 T.writes()
-                                # one allocation carved in three: the weight slots, the x slots, then (FP8) the
-                                # converted weight tile
+                                # one allocation carved in four: the weight slots, the x slots, (FP8) the
+                                # converted weight tiles, then (producer) the slots' full and free barriers
                                 smem = T.sblock_alloc_buffer((plan.shared_bytes() // 2,), "bfloat16",
                                                              scope="shared.dyn")  # fmt: skip
                                 ws = T.decl_buffer((stages, k_atoms, bn_rows, ATOM_K), wdtype, data=smem.data,
@@ -245,6 +403,8 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                                    elem_offset=w_elems, scope="shared.dyn")  # fmt: skip
                                 wc = T.decl_buffer((groups, k_atoms, bn_rows, ATOM_K), "bfloat16", data=smem.data,
                                                    elem_offset=w_elems + x_elems, scope="shared.dyn")  # fmt: skip
+                                bars = T.decl_buffer((2, stages), "uint64", data=smem.data,
+                                                     elem_offset=bar_elems // 4, scope="shared.dyn")  # fmt: skip
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
@@ -253,45 +413,30 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                     T.evaluate(T.call_extern("void", DIMS, 1, 1, k_splits))
                                 for i in T.unroll(n_acc):
                                     acc[i] = T.float32(0)
-                                for s in T.unroll(lead):
-                                    load_w_stage(w, ws, bn, ks, tid, s, s)
-                                T.evaluate(T.call_extern("void", WAIT))
-                                for s in T.unroll(lead):
-                                    load_x_stage(x, m, xs, bm, ks, tid, s, s)
-                                for kt in range(per_split):
-                                    T.evaluate(T.ptx["cp.async.wait_group"](lead - 1))
-                                    T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
-                                    # everyone's copies of slot kt landed, and every wgmma that read the slot
-                                    # (and FP8 tile) overwritten next has completed (each thread waited)
+                                if producer:
+                                    if tid == 0:
+                                        for s in T.unroll(stages):
+                                            T.evaluate(T.call_extern("void", INIT, T.address_of(bars[0, s]),
+                                                                     PRODUCER_WARPS * WARP))  # fmt: skip
+                                            T.evaluate(T.call_extern("void", INIT, T.address_of(bars[1, s]),
+                                                                     plan.threads))  # fmt: skip
                                     T.tvm_storage_sync("shared")
-                                    load_w_stage(w, ws, bn, ks, tid, (kt + lead) % stages, kt + lead)
-                                    load_x_stage(x, m, xs, bm, ks, tid, (kt + lead) % stages, kt + lead)
-                                    if kt == max(per_split - 1 - lead, 0):  # the last weight copies are out
-                                        T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
-                                    if fp8:
-                                        convert(ws, wc, tid, kt % stages, kt % groups)
-                                        T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
-                                        T.tvm_storage_sync("shared")
-                                    T.evaluate(T.call_extern("void", FENCE))
-                                    for atom in T.unroll(k_atoms):
-                                        for kk in T.unroll(ATOM_K // WGMMA_K):
-                                            T.evaluate(T.call_extern(
-                                                "void", mma, T.address_of(acc[0]),
-                                                T.address_of(wc[kt % groups, atom, wg * 64, kk * WGMMA_K]) if fp8 else
-                                                T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
-                                                T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
-                                            ))  # fmt: skip
-                                    T.evaluate(T.call_extern("void", COMMIT))
-                                    if groups == 1:
-                                        T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
-                                    else:  # the slot before's group has completed; this one runs on
-                                        T.evaluate(T.call_extern("void", WAIT_PRIOR))
-                                if groups > 1:
-                                    T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
-                                if picks:
-                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid, True)
-                                elif cluster:
+                                    if ty >= plan.n_warps:
+                                        produce(x, w, m, ws, xs, bars, bm, bn, ks, tid - plan.threads)
+                                    else:
+                                        consume(acc, ws, wc, xs, bars, tid, wg)
+                                else:
+                                    shared_loop(x, w, m, acc, ws, wc, xs, bm, bn, ks, tid, wg)
+                                if cluster:
                                     cluster_store(scale, y, m, acc, smem, bm, bn, ks, ty, tx, tid)
+                                elif picks and producer:  # the producer meets the pick's block barriers only
+                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid,
+                                         ty < plan.n_warps)  # fmt: skip
+                                elif picks:
+                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid, True)
+                                elif producer:  # the producer has no accumulators to store
+                                    if ty < plan.n_warps:
+                                        store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
                                 else:
                                     store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
         if k_splits > 1 and not cluster:

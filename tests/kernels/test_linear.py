@@ -691,7 +691,16 @@ def test_wgmma_plan_fits_the_k_atoms():
     """k_splits: the largest divisor of the 64-wide atoms up to the knob; k_atoms: a power of two dividing a
     split's atoms."""
     spec = LinearSpec("matmul", 200, 384)  # 6 atoms
-    knobs = {"warpgroups": 1, "block_m": 64, "stages": 2, "k_atoms": 4, "k_splits": 4, "mma_groups": 1, "k_reduce": 1}
+    knobs = {
+        "warpgroups": 1,
+        "block_m": 64,
+        "stages": 2,
+        "k_atoms": 4,
+        "k_splits": 4,
+        "mma_groups": 1,
+        "k_reduce": 1,
+        "roles": 1,
+    }
     assert fit_wgmma_plan(spec, SM90, knobs) == WgmmaPlan(1, 64, 2, 2, 3)  # 3 splits of 2 atoms, one slot each
     assert fit_wgmma_plan(spec, SM90, {**knobs, "k_splits": 1}).k_atoms == 2  # 6 atoms: 2 divides, 4 does not
 

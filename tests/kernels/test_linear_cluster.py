@@ -23,7 +23,16 @@ from dflash_compiler.cluster import ADD4, DIMS, SYNC  # noqa: E402
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 from dflash_compiler.dependent_launch import kernel_bodies  # noqa: E402
 
-KNOBS = {"warpgroups": 1, "block_m": 128, "stages": 4, "k_atoms": 1, "k_splits": 4, "mma_groups": 1, "k_reduce": 2}
+KNOBS = {
+    "warpgroups": 1,
+    "block_m": 128,
+    "stages": 4,
+    "k_atoms": 1,
+    "k_splits": 4,
+    "mma_groups": 1,
+    "k_reduce": 2,
+    "roles": 1,
+}
 
 
 def test_plan_caps_the_splits_at_a_portable_cluster_and_sizes_the_tile():
