@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Block rows per step and context rows per append that the bench covers (the serving shapes).
-PROPOSE_BATCHES = (1, 8)
+PROPOSE_BATCHES = (1, 4, 8)
 CONTEXT_ROWS = (7, 512)
 CACHED_ROWS = 4096
 

@@ -24,9 +24,11 @@ builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tile
 named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>[w<k_warps>]`
 (`--gemm-variant`, repeated, picks them; `--shapes` the weights), and on sm_90 the warpgroup
 GEMM (linear_wgmma.py), variants named
-`<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>[q<mma_groups>[r<k_reduce>]]`
-(`--wgmma-variant`), against GEMV mode alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16
-sequences of 16 block rows), plus correctness cases of odd shapes.
+`<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>[q<mma_groups>[r<k_reduce>[p<roles>]]]`
+(`--wgmma-variant`), and with `--mid-rows R` each weight with its calls up to R rows on a second one of R-row
+x tiles (`<kernel>__mid<R>`), against GEMV mode alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16
+sequences of 16 block rows; `--wgmma-only` leaves those two and the tiled GEMM out), plus correctness cases
+of odd shapes.
 `--few-rows` builds instead the kernel of calls of at most gemm_rows rows at 1-32 rows: the default (the small
 tiled kernel for bf16 weights), GEMV mode, and variants named
 `<kernel>__s<gemv_tiled_stages>x<gemv_tiled_k_steps>k<gemv_tiled_k_warps>[n<gemv_tiled_n_tiles>]`
@@ -255,10 +257,16 @@ def build(args: argparse.Namespace) -> None:
                     add_variants(name, spec, RING_KNOBS, GEMM_ROWS[1:])
                     add_tiled(name, spec, args.gemm_variant or TILED_VARIANTS, GEMM_ROWS[1:])
                 add_wgmma(name, spec, args.wgmma_variant or WGMMA_VARIANTS, GEMM_ROWS[1:])
+                if args.mid_rows:
+                    add_variant(name, spec, f"mid{args.mid_rows}", GEMM_ROWS[1:], {"mid_rows": args.mid_rows})
         for op, n, k, wdtype in GEMM_ODD:
             add_tiled(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), GEMM_ODD_VARIANTS, GEMM_ODD_ROWS, False)
         for op, n, k, wdtype in WGMMA_ODD:
             add_wgmma(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), WGMMA_ODD_VARIANTS, GEMM_ODD_ROWS, False)
+            if args.mid_rows:  # the calls up to mid_rows rows on their own GEMM, and the ones just above it
+                rows = (33, 40, args.mid_rows, args.mid_rows + 1, 130)
+                add_variant(f"odd {op} {n}x{k}", LinearSpec(op, n, k, wdtype), f"mid{args.mid_rows}", rows,
+                            {"mid_rows": args.mid_rows}, False)  # fmt: skip
         shapes, odd = (), ()
     elif args.few_rows:
         for label in args.shapes or FEW_SHAPES:
@@ -574,6 +582,13 @@ def main() -> int:
         type=_knob_values((5, 6, 7, 8), "2,128,3,1,1"),
         metavar="G,BM,S,A,KS[,MG[,KR[,R]]]",
         help="with --gemm: a warpgroup GEMM variant (wgmma_ knobs in WGMMA_KNOBS order) instead of the built-in ones",
+    )
+    b.add_argument(
+        "--mid-rows",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --gemm on sm_90: also each weight with the calls up to R rows on a GEMM of R-row x tiles (mid_rows)",
     )
     b.add_argument(
         "--wgmma-only",

@@ -73,6 +73,8 @@ SILU_GROUP = 8  # matmul_silu: gate and up rows interleaved 8 at a time (ir_pass
 _OP_ATTR = "dflash.op"
 # the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
+# the shape knobs of the warpgroup GEMM of calls up to mid_rows rows (LinearMmaRule takes them as mid_<name>)
+MID_KNOBS = ("warpgroups", "stages", "k_splits", "mma_groups")
 
 
 def few_rows_knobs(stages: int, k_steps: int, k_warps: int, n_tiles: int = 1) -> dict[str, int]:
@@ -353,9 +355,12 @@ class LinearMmaRule(FamilyRule):
     `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
     (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma) makes that
     GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
-    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups` and `wgmma_k_reduce` (WgmmaPlan; 0 takes
-    `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8); the
-    other GEMM's knobs are refused. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
+    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups`, `wgmma_k_reduce` and `wgmma_roles` (WgmmaPlan; 0
+    takes `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8, roles 2
+    copies on a producer warpgroup); the other GEMM's knobs are refused. With the warpgroup GEMM,
+    `mid_rows` > gemm_rows gives the calls of gemm_rows + 1 to mid_rows rows a second one of x tiles that
+    many rows tall, with knobs `mid_warpgroups`, `mid_stages`, `mid_k_splits` and `mid_mma_groups` (0 takes
+    `mid_defaults`); 0 leaves them on the first. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
     rows on a tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x
     per block, that many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k
     split), whose weight stream is in flight in shared memory rather than in registers; 0 keeps them on
@@ -367,7 +372,8 @@ class LinearMmaRule(FamilyRule):
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
                   *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS,
-                  "gemm_wgmma", *(f"wgmma_{name}" for name in WGMMA_KNOBS))  # fmt: skip
+                  "gemm_wgmma", *(f"wgmma_{name}" for name in WGMMA_KNOBS), "mid_rows",
+                  *(f"mid_{name}" for name in MID_KNOBS))  # fmt: skip
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         # Measured on an H200 (bench/linear.py --sweep): 4 warps of ~200 registers make two resident
@@ -394,6 +400,10 @@ class LinearMmaRule(FamilyRule):
             # with wgmma); knobs_for picks by weight and target, and 0 takes wgmma_defaults
             "gemm_wgmma": 0,
             **{f"wgmma_{name}": 0 for name in WGMMA_KNOBS},
+            # calls of gemm_rows + 1 to mid_rows rows: a warpgroup GEMM of x tiles that tall (0: none; with
+            # the warpgroup GEMM only), whose other knobs 0 takes from mid_defaults
+            "mid_rows": 0,
+            **{f"mid_{name}": 0 for name in MID_KNOBS},
         }
 
     def spec_of(self, subject: Any) -> LinearSpec | None:
@@ -409,8 +419,34 @@ class LinearMmaRule(FamilyRule):
         used = gemm_knobs(gemm)
         few = (few_rows_knobs(small.stages, small.k_steps, small.k_warps, small.n_tiles) if small
                else few_rows_knobs(0, 0, 0, 0))  # fmt: skip
+        mid = self._mid_plan(spec, target, chosen)
+        mid_used = {"mid_rows": mid.block_m, **{f"mid_{name}": getattr(mid, name) for name in MID_KNOBS}} if mid else {}
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
-                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few}, spec=spec)  # fmt: skip
+                      knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few, **mid_used},
+                      spec=spec)  # fmt: skip
+
+    def _mid_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan | None:
+        """The warpgroup GEMM of the calls of gemm_rows + 1 to mid_rows rows (None: mid_rows 0): x tiles of
+        mid_rows rows, the knobs given, the rest `mid_defaults`."""
+        rows = knobs["mid_rows"]
+        given = {name: knobs[f"mid_{name}"] for name in MID_KNOBS if knobs[f"mid_{name}"] != 0}
+        if not rows:
+            if given:
+                raise ScheduleError(
+                    f"{self.name} knobs {', '.join(f'mid_{name}' for name in given)} on {spec.name}: they shape the "
+                    "GEMM of the calls up to mid_rows rows, and mid_rows is 0. Fix: drop them, or set mid_rows"
+                )
+            return None
+        beside = knobs["gemm_rows"] and knobs["gemm_wgmma"] == 1  # the warpgroup GEMM takes the calls above it
+        if not beside or rows % 8 or not knobs["gemm_rows"] < rows <= 256:
+            raise ScheduleError(
+                f"{self.name} knob mid_rows={rows} on {spec.name} (gemm_rows={knobs['gemm_rows']}, gemm_wgmma="
+                f"{knobs['gemm_wgmma']}): expected a multiple of 8 above gemm_rows, at most 256, beside the warpgroup "
+                "GEMM. Fix: mid_rows 0, or gemm_wgmma 1 and gemm_rows > 0 below it"
+            )
+        shape = {**mid_defaults(spec, target, rows), **given}
+        return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
+                                             "roles": SHARED_ROLES})  # fmt: skip
 
     def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | WgmmaPlan | None:
         """The GEMM kernel's plan where calls above gemm_rows rows go to one: the knobs given, the rest by
@@ -454,6 +490,12 @@ class LinearMmaRule(FamilyRule):
             )
         gemm = self._gemm_plan(spec, target, knobs)
         small = small_tiled_plan(spec, target, knobs) if gemm and knobs["gemv_tiled_stages"] else None
+        mid = self._mid_plan(spec, target, knobs)
+        if spec.tiled_only and mid is not None and mid.k_splits != 1:
+            raise ScheduleError(
+                f"{self.name} knob mid_k_splits={mid.k_splits} on {spec.name}: its epilogue takes whole sums. Fix: "
+                "mid_k_splits 1"
+            )
         if spec.tiled_only and (small is None or gemm is None or gemm.k_splits != 1):
             raise ScheduleError(
                 f"{self.name} knobs x_stages={plan.x_stages}, gemm_rows={rows}, gemv_tiled_stages="
@@ -461,7 +503,7 @@ class LinearMmaRule(FamilyRule):
                 "epilogue runs on the small tiled kernel and the GEMM, whose blocks each hold whole sums. Fix: "
                 "x_stages 0, gemm_rows > 0, gemv_tiled_stages > 0 and gemm_k_splits / wgmma_k_splits 1"
             )
-        return plan, gemm, small, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small)
+        return plan, gemm, small, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small, mid)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
         """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
@@ -625,7 +667,9 @@ def wgmma_fits(spec: LinearSpec, target: Target) -> bool:
     return target.wgmma and spec.k % 64 == 0
 
 
-def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
+def wgmma_defaults(
+    spec: LinearSpec, target: Target, rows: int = 128, shapes: tuple[tuple[int, int, int], ...] = ()
+) -> dict[str, int]:
     """The warpgroup GEMM's shape by weight: 128 rows of x per block (one draft batch of 8 blocks), one
     64-wide k atom per slot, and the warpgroups, slots and k splits whose blocks fill the SMs' block slots
     most evenly.
@@ -659,12 +703,14 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
     H200: 3.108 against 2.338 ms). Only the wide bf16 weights at 256 rows gain (3-7 %), so roles 2 is a knob.
     """
     atoms = spec.k // 64
-    # per weight row and split: m = 128 f32 partial sums written and read back, against the row's weight
-    partial_bytes, weight_bytes = 2 * 4 * 128, spec.k * ITEM_BYTES[spec.weight_dtype]
+    # per weight row and split: m = rows f32 partial sums written and read back, against the row's weight
+    partial_bytes, weight_bytes = 2 * 4 * rows, spec.k * ITEM_BYTES[spec.weight_dtype]
     best: tuple[tuple[float, int, int], dict[str, int]] | None = None
-    shapes = ((1, 4, 2), (3, 5, 2), (4, 5, 2), (2, 4, 2)) if spec.fp8 else ((2, 3, 1), (3, 4, 1), (4, 4, 1), (1, 4, 1))
+    if not shapes:  # (warpgroups, stages, mma_groups), in the order ties go to
+        fp8_shapes = ((1, 4, 2), (3, 5, 2), (4, 5, 2), (2, 4, 2))
+        shapes = fp8_shapes if spec.fp8 else ((2, 3, 1), (3, 4, 1), (4, 4, 1), (1, 4, 1))
     for order, (groups, stages, mma_groups) in enumerate(shapes):
-        plan = WgmmaPlan(groups, 128, stages, 1, 1, mma_groups, ITEM_BYTES[spec.weight_dtype])
+        plan = WgmmaPlan(groups, rows, stages, 1, 1, mma_groups, ITEM_BYTES[spec.weight_dtype])
         blocks_per_sm = min(
             target.shared_memory_per_sm // plan.shared_bytes(), target.max_threads_per_sm // plan.threads
         )
@@ -678,11 +724,24 @@ def wgmma_defaults(spec: LinearSpec, target: Target) -> dict[str, int]:
             cost = -(-blocks // slots) * slots / blocks + partial_bytes * splits / weight_bytes
             key = (round(cost, 3), splits, order)
             if best is None or key < best[0]:
-                best = (key, {"warpgroups": groups, "block_m": 128, "stages": stages, "k_atoms": 1,
+                best = (key, {"warpgroups": groups, "block_m": rows, "stages": stages, "k_atoms": 1,
                               "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
     return {**best[1], "roles": SHARED_ROLES}
+
+
+def mid_defaults(spec: LinearSpec, target: Target, rows: int) -> dict[str, int]:
+    """The warpgroup GEMM of the calls up to mid_rows rows: one warpgroup of 64 weight rows, four slots, x
+    tiles `rows` tall (a 128-row tile multiplies and, FP8, converts for half padding at 64 rows), one slot's
+    wgmmas in flight for FP8 weights, and the k splits whose blocks fill the SMs' block slots most evenly
+    (wgmma_defaults' cost).
+
+    H100, µs at 64 rows (bench/linear.py --gemm, one round; the 128-row default → this shape): qkv 27.6 →
+    24.8, o_proj 17.6 → 17.1, down 43.5 → 42.5, FP8 qkv 32.6 → 20.8, o_proj 18.0 → 15.3, down 49.9 → 39.0.
+    """
+    shape = wgmma_defaults(spec, target, rows, ((1, 4, 2 if spec.fp8 else 1),))
+    return {name: shape[name] for name in MID_KNOBS}
 
 
 def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan:

@@ -150,6 +150,7 @@ def mma_gemv_func(
     plan: MmaPlan,
     gemm: tuple[int, TiledPlan | WgmmaPlan] | None = None,
     small: TiledPlan | None = None,
+    mid: WgmmaPlan | None = None,
 ) -> Any:
     """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`.
 
@@ -157,7 +158,8 @@ def mma_gemv_func(
     a WgmmaPlan, the warpgroup GEMM of `linear_wgmma.py`) and its host code picks per call: `plan`'s kernel
     for m <= rows (or, with `small`, a second tiled kernel of that plan, which must not split k), the GEMM
     above (with, for k splits, its workspace and merge kernel); the kernel table records each launch's
-    condition (codegen.KernelLaunch.when).
+    condition (codegen.KernelLaunch.when). With `mid`, a second warpgroup GEMM, the calls above rows and up
+    to mid.block_m rows go to it instead.
     """
     from tvm.script import tirx as T
 
@@ -168,6 +170,11 @@ def mma_gemv_func(
         raise ScheduleError(
             f"{spec.name}: a tiled kernel for few rows was given with gemm={gemm} and {small.k_splits} k splits; "
             "expected gemm = (rows, plan), which it shares the calls with, and one k split (it has no workspace)"
+        )
+    if mid is not None and (gemm is None or not gemm[0] < mid.block_m):
+        raise ScheduleError(
+            f"{spec.name}: a GEMM for calls up to {mid.block_m} rows was given with gemm={gemm}; expected gemm = "
+            "(rows, plan) with rows below its tile, whose calls above it go to the larger GEMM"
         )
     if spec.tiled_only and (gemm is None or small is None or gemm[1].k_splits != 1):
         raise ScheduleError(
@@ -184,6 +191,11 @@ def mma_gemv_func(
         # lm_head_argmax: each block's best (rank, value) per row, [2, m, blocks along n] (linear_argmax.py)
         few_blocks = pick_blocks(spec, small) if small is not None else 0
         large_blocks = pick_blocks(spec, tiled)
+        middle = wgmma_body_macro(spec, mid) if mid is not None else None
+        mid_rows = mid.block_m if mid is not None else 0
+        mid_blocks = pick_blocks(spec, mid) if mid is not None else 0
+        # the mid GEMM's partial sums: a host workspace of its own
+        mid_parts = mid.k_splits if mid is not None else 1
 
         @T.macro
         def body(x, w, scale, y, m):
@@ -194,6 +206,15 @@ def mma_gemv_func(
                     # no k split: no partial sums (one slot of nothing unless argmax partials)
                     few_ws = T.sblock_alloc_buffer((2, m, few_blocks) if picks else (1,), "float32")
                     few(x, w, scale, y, m, few_ws)
+            elif mid is not None:
+                if m <= mid_rows:
+                    mid_part = T.sblock_alloc_buffer((2, m, mid_blocks) if picks else (mid_parts, m, n)
+                                                     if mid_parts > 1 else (1,), "float32")  # fmt: skip
+                    middle(x, w, scale, y, m, mid_part)
+                else:
+                    part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace
+                                                 else (1,), "float32")  # fmt: skip
+                    large(x, w, scale, y, m, part)
             else:
                 # the k splits' partial sums (a host workspace; one slot of nothing without splits)
                 part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace else (1,),
