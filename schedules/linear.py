@@ -75,6 +75,7 @@ _OP_ATTR = "dflash.op"
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
 # the shape knobs of the warpgroup GEMM of calls up to mid_rows rows (LinearMmaRule takes them as mid_<name>)
 MID_KNOBS = ("warpgroups", "stages", "k_splits", "mma_groups")
+MID_ROWS = 64  # the calls of 33-64 rows (three or four draft blocks) take a GEMM of 64-row x tiles
 
 
 def few_rows_knobs(stages: int, k_steps: int, k_warps: int, n_tiles: int = 1) -> dict[str, int]:
@@ -344,29 +345,27 @@ def mma_step(spec: LinearSpec) -> int:
 class LinearMmaRule(FamilyRule):
     """Linears on tensor cores (targets with bf16 mma; k a multiple of 32, or 64 for FP8 weights).
 
-    Knobs: `warps` per block that split k, `n_warps` per block that split n (each with its own
-    `row_tiles` 16-row weight tiles), `unroll` (k steps per batch of loads), `stages` (1: load a batch,
-    then multiply it; 2: double buffer), `m_tile` (rows of x per pass over the weight, a multiple of 8),
-    `x_stages` (0: x fragments straight from global memory into registers, the GEMV mode; n >= 1: x
-    through a ring of n shared-memory slots, the GEMM mode, which keeps the registers for accumulators so
-    that m_tile can cover 64-256 rows and the weight is streamed once per pass) and `gemm_rows` (with
-    x_stages 0: calls with more rows than this go to the tiled GEMM of `linear_tiled.py`, picked by the
-    host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are `gemm_n_warps`,
-    `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps` and `gemm_k_warps`
-    (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma) makes that
-    GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
-    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups`, `wgmma_k_reduce` and `wgmma_roles` (WgmmaPlan; 0
-    takes `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8, roles 2
-    copies on a producer warpgroup); the other GEMM's knobs are refused. With the warpgroup GEMM,
-    `mid_rows` > gemm_rows gives the calls of gemm_rows + 1 to mid_rows rows a second one of x tiles that
-    many rows tall, with knobs `mid_warpgroups`, `mid_stages`, `mid_k_splits` and `mid_mma_groups` (0 takes
-    `mid_defaults`); 0 leaves them on the first. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows
-    rows on a tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x
-    per block, that many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k
-    split), whose weight stream is in flight in shared memory rather than in registers; 0 keeps them on
-    GEMV mode. `warps`, `unroll`, `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and
-    `gemv_tiled_k_warps` are upper bounds: the largest values that divide the k steps evenly are used, and
-    the Kernel reports the values used.
+    Knobs: `warps` per block that split k, `n_warps` per block that split n (each with its own `row_tiles` 16-row
+    weight tiles), `unroll` (k steps per batch of loads), `stages` (1: load a batch, then multiply it; 2: double
+    buffer), `m_tile` (rows of x per pass over the weight, a multiple of 8), `x_stages` (0: x fragments straight
+    from global memory into registers, the GEMV mode; n >= 1: x through a ring of n shared-memory slots, the GEMM
+    mode, which keeps the registers for accumulators so that m_tile can cover 64-256 rows and the weight is streamed
+    once per pass) and `gemm_rows` (with x_stages 0: calls with more rows than this go to the tiled GEMM of
+    `linear_tiled.py`, picked by the host code per call; 0: the one kernel for every m). The tiled GEMM's knobs are
+    `gemm_n_warps`, `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps`
+    and `gemm_k_warps` (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma)
+    makes that GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
+    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups`, `wgmma_k_reduce` and `wgmma_roles` (WgmmaPlan; 0 takes
+    `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8, roles 2 copies on a
+    producer warpgroup); the other GEMM's knobs are refused. With the warpgroup GEMM, `mid_rows` > gemm_rows gives
+    the calls of gemm_rows + 1 to mid_rows rows a second one of x tiles that many rows tall, with knobs
+    `mid_warpgroups`, `mid_stages`, `mid_k_splits` and `mid_mma_groups` (0 takes `mid_defaults`; MID_ROWS by
+    default); 0 leaves them on the first. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows rows on a
+    tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x per block, that
+    many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight stream
+    is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`, `unroll`,
+    `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and `gemv_tiled_k_warps` are upper bounds:
+    the largest values that divide the k steps evenly are used, and the Kernel reports the values used.
     """
 
     name = "linear_mma"
@@ -401,7 +400,8 @@ class LinearMmaRule(FamilyRule):
             "gemm_wgmma": 0,
             **{f"wgmma_{name}": 0 for name in WGMMA_KNOBS},
             # calls of gemm_rows + 1 to mid_rows rows: a warpgroup GEMM of x tiles that tall (0: none; with
-            # the warpgroup GEMM only), whose other knobs 0 takes from mid_defaults
+            # the warpgroup GEMM only; knobs_for sets MID_ROWS there), whose other knobs 0 takes from
+            # mid_defaults
             "mid_rows": 0,
             **{f"mid_{name}": 0 for name in MID_KNOBS},
         }
@@ -584,7 +584,12 @@ class LinearMmaRule(FamilyRule):
                 "gemm_wgmma": int(wgmma_fits(spec, target)),
             }
         )
-        return self.resolve_knobs(target, {**mode, **(knobs or {})})
+        resolved = self.resolve_knobs(target, {**mode, **(knobs or {})})
+        # where the warpgroup GEMM takes the calls above gemm_rows, those up to MID_ROWS take 64-row tiles
+        # (mid_defaults), unless the knobs say otherwise
+        if not gemm and resolved["gemm_wgmma"] == 1 and "mid_rows" not in (knobs or {}):
+            resolved["mid_rows"] = MID_ROWS if 0 < resolved["gemm_rows"] < MID_ROWS else 0
+        return resolved
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
         return self._func(spec, target, knobs)[3]
@@ -737,8 +742,10 @@ def mid_defaults(spec: LinearSpec, target: Target, rows: int) -> dict[str, int]:
     wgmmas in flight for FP8 weights, and the k splits whose blocks fill the SMs' block slots most evenly
     (wgmma_defaults' cost).
 
-    H100, µs at 64 rows (bench/linear.py --gemm, one round; the 128-row default → this shape): qkv 27.6 →
-    24.8, o_proj 17.6 → 17.1, down 43.5 → 42.5, FP8 qkv 32.6 → 20.8, o_proj 18.0 → 15.3, down 49.9 → 39.0.
+    H100, µs at 64 rows (bench/linear.py --gemm, one round; the 128-row default → 64-row tiles of one
+    warpgroup and 4 splits): qkv 27.6 → 24.8, o_proj 17.6 → 17.1, down 43.5 → 42.5, FP8 qkv 32.6 → 20.8,
+    o_proj 18.0 → 15.3, down 49.9 → 39.0. The drafter step at nb = 4 (bench/propose.py, one run, A/B in
+    one process): bf16 1.600 → 1.554 ms, FP8 1.619 → 1.396 ms.
     """
     shape = wgmma_defaults(spec, target, rows, ((1, 4, 2 if spec.fp8 else 1),))
     return {name: shape[name] for name in MID_KNOBS}

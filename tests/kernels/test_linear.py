@@ -190,11 +190,12 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 
 
 def _gemv_knobs(kernel):
-    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_* and gemv_tiled_*)."""
+    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_*, mid_* and
+    gemv_tiled_*)."""
     return {
         k: v
         for k, v in kernel.knobs.items()
-        if not k.startswith(("gemm_", "gemv_tiled_", "wgmma_")) or k == "gemm_rows"
+        if not k.startswith(("gemm_", "gemv_tiled_", "wgmma_", "mid_")) or k == "gemm_rows"
     }
 
 
@@ -202,9 +203,11 @@ def _lower(kernel, target=SM90):
     """The CUDA module and the kernel's first launch (GEMV mode where gemm_rows adds a GEMM-mode one)."""
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     launches = cuda.functions[kernel.name].kernels
-    # GEMV mode alone, or with the tiled GEMM above gemm_rows (and its merge kernel for k splits)
+    # GEMV mode alone, or with the tiled GEMM above gemm_rows (and its merge kernel for k splits), and on
+    # sm_90 the 64-row one below mid_rows (and its merge)
     splits = kernel.knobs.get("gemm_k_splits", kernel.knobs.get("wgmma_k_splits"))
-    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (splits > 1))
+    mid = 1 + (kernel.knobs["mid_k_splits"] > 1) if kernel.knobs.get("mid_rows") else 0
+    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (splits > 1) + mid)
     assert "2147483647" not in cuda.source  # no local buffer sized by the symbolic m
     return cuda, launches[0]
 
@@ -592,7 +595,8 @@ def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     bf16 tile behind a second barrier), 4 wgmma m64n128k16 per 64-wide k atom of a slot, one commit and one
     wait per slot, and shared-memory writes made visible to the async proxy before each barrier."""
     knobs = {"wgmma_mma_groups": plan.mma_groups, "wgmma_stages": plan.stages} if "groups" in spec.name else {}
-    kernel = LinearMmaRule().apply(spec, SM90, knobs)
+    # the 128-row GEMM takes every call above gemm_rows without the 64-row one (test_linear_mid.py)
+    kernel = LinearMmaRule().apply(spec, SM90, {**knobs, "mid_rows": 0})
     assert kernel.knobs["gemm_wgmma"] == 1
     assert not [key for key in kernel.knobs if key.startswith("gemm_") and key not in ("gemm_rows", "gemm_wgmma")]
     assert fit_wgmma_plan(spec, SM90, {name: kernel.knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS}) == plan
@@ -725,7 +729,7 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
     weight rows and 16 rows of x per block, slots in shared memory, warps along k, no k split); wide FP8
     weights through GEMV mode."""
     spec = LinearSpec("matmul", 6144, 4096)
-    kernel = LinearMmaRule().apply(spec, target)
+    kernel = LinearMmaRule().apply(spec, target, {"mid_rows": 0})  # every call above 32 rows on one GEMM
     # qkv is narrow on the H200's 132 SMs (four slots of 8 k steps, four warps along k: its 384 blocks fit
     # one wave of those, not of three slots of 16), wide on GB10's 48 (three of 4, four warps, four tiles)
     slots = (4, 8, 4, 1) if target is SM90 else (3, 4, 4, 4)

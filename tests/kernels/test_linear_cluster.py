@@ -57,7 +57,7 @@ def test_plan_caps_the_splits_at_a_portable_cluster_and_sizes_the_tile():
 
 
 def _lowered(spec: LinearSpec, knobs: dict[str, int]):
-    kernel = LinearMmaRule().apply(spec, SM90, knobs)
+    kernel = LinearMmaRule().apply(spec, SM90, {**knobs, "mid_rows": 0})  # every call above 32 rows clustered
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
     return kernel, cuda, cuda.functions[kernel.name]
 

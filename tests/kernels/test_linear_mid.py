@@ -48,7 +48,7 @@ def test_calls_up_to_mid_rows_take_the_mid_gemm(spec, splits):
         "mid_k_splits": splits,
         "mid_mma_groups": 2 if spec.fp8 else 1,
     }
-    plain = _table(LinearMmaRule(), spec, {})[2]
+    plain = _table(LinearMmaRule(), spec, {"mid_rows": 0})[2]
     few, mid, mid_merge, large, large_merge = func.kernels
     assert func.launches({"m": 16}) == [few] and func.launches({"m": 32}) == [few]
     for m in (33, 64):
@@ -112,7 +112,7 @@ def test_mid_defaults_fill_the_sms():
         (SM90, {"mid_rows": 32}, "a multiple of 8 above gemm_rows"),
         (SM90, {"mid_rows": 264}, "at most 256"),
         (SM90, {"mid_rows": 64, "gemm_wgmma": 0}, "Fix: mid_rows 0, or gemm_wgmma 1"),
-        (SM90, {"mid_stages": 3}, "mid_stages .* mid_rows is 0. Fix: drop them, or set mid_rows"),
+        (SM90, {"mid_rows": 0, "mid_stages": 3}, "mid_stages .* mid_rows is 0. Fix: drop them, or set mid_rows"),
         (SM90, {"mid_rows": 64, "mid_stages": 1}, "stages >= 2"),
     ],
 )
@@ -121,9 +121,13 @@ def test_bad_mid_knobs_are_refused(target, knobs, message):
         LinearMmaRule().apply(LinearSpec("matmul", 6144, 4096), target, knobs)
 
 
-def test_no_mid_gemm_without_the_knob():
-    """The default keeps every call above gemm_rows on the 128-row GEMM and reports no mid knob."""
-    kernel, _, func = _table(LinearMmaRule(), LinearSpec("matmul", 6144, 4096), {})
+def test_the_mid_gemm_is_the_default_where_the_warpgroup_gemm_is():
+    """sm_90 takes MID_ROWS (the knobs of test_calls_up_to_mid_rows_take_the_mid_gemm); mid_rows 0 keeps
+    every call above gemm_rows on the 128-row GEMM and reports no mid knob; sm_120 has no warpgroup GEMM."""
+    spec = LinearSpec("matmul", 6144, 4096)
+    assert LinearMmaRule().apply(spec, SM90).knobs == LinearMmaRule().apply(spec, SM90, {"mid_rows": 64}).knobs
+    kernel, _, func = _table(LinearMmaRule(), spec, {"mid_rows": 0})
     assert not [key for key in kernel.knobs if key.startswith("mid_")]
     assert len(func.kernels) == 3 and {w.name for w in func.workspaces} == {"part"}
     assert all(f"wgmma_{name}" in kernel.knobs for name in WGMMA_KNOBS)
+    assert not [key for key in LinearMmaRule().apply(spec, SM120).knobs if key.startswith("mid_")]

@@ -36,7 +36,8 @@ from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
 
 def _knobs(plan: WgmmaPlan) -> dict[str, int]:
-    return {f"wgmma_{name}": getattr(plan, name) for name in WGMMA_KNOBS}
+    # every call above gemm_rows on this GEMM (no 64-row one below mid_rows)
+    return {**{f"wgmma_{name}": getattr(plan, name) for name in WGMMA_KNOBS}, "mid_rows": 0}
 
 
 def test_the_plan_counts_the_producer_warp_and_the_barriers():
@@ -155,7 +156,7 @@ def test_a_producer_warp_fills_the_slots_and_the_warpgroups_wait_for_them(spec, 
 def test_the_fused_epilogues_run_beside_a_producer_warp(rule, spec):
     """The argmax epilogue meets at block barriers: the producer warpgroup takes part in them and writes nothing;
     the silu store is the multiplying warps' alone."""
-    knobs = {"wgmma_roles": PRODUCER_ROLES, "wgmma_warpgroups": 2, "wgmma_stages": 4}
+    knobs = {"wgmma_roles": PRODUCER_ROLES, "wgmma_warpgroups": 2, "wgmma_stages": 4, "mid_rows": 0}
     kernel = rule.apply(spec, SM90, knobs)
     assert kernel.knobs["wgmma_roles"] == PRODUCER_ROLES
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
@@ -178,7 +179,7 @@ def test_the_fused_epilogues_run_beside_a_producer_warp(rule, spec):
 def test_shared_roles_have_no_producer():
     """With roles 1 every warp copies and multiplies, behind block barriers: no mbarrier in the source."""
     spec = LinearSpec("matmul", 4096, 4096)
-    kernel = LinearMmaRule().apply(spec, SM90, {"wgmma_roles": SHARED_ROLES})
+    kernel = LinearMmaRule().apply(spec, SM90, {"wgmma_roles": SHARED_ROLES, "mid_rows": 0})
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
     body = cuda.source[slice(*kernel_bodies(cuda.source)[cuda.functions[kernel.name].kernels[1].name])]
     assert f"{INIT}(" not in body and f"{WAIT_PARITY}(" not in body
