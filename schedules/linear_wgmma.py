@@ -303,13 +303,19 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
         T.evaluate(T.call_extern("void", COMMIT))
 
     @T.macro
-    def shared_loop(x, w, m, acc, ws, wc, xs, bm, bn, ks, tid, wg):
-        # every warp copies its share of each slot and multiplies; a block barrier per slot
-        for s in T.unroll(lead):
+    def first_slots(x, w, m, ws, xs, bm, bn, ks, tid, count):
+        # the first `count` slots: their weight before the wait for the grid that writes x, then x, a copy
+        # group per slot
+        for s in T.unroll(count):
             load_w_stage(w, ws, bn, ks, tid, s, s)
         T.evaluate(T.call_extern("void", WAIT))
-        for s in T.unroll(lead):
+        for s in T.unroll(count):
             load_x_stage(x, m, xs, bm, ks, tid, s, s)
+
+    @T.macro
+    def shared_loop(x, w, m, acc, ws, wc, xs, bm, bn, ks, tid, wg):
+        # every warp copies its share of each slot and multiplies; a block barrier per slot
+        first_slots(x, w, m, ws, xs, bm, bn, ks, tid, lead)
         for kt in range(per_split):
             T.evaluate(T.ptx["cp.async.wait_group"](lead - 1))
             T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
@@ -339,11 +345,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
         # needs slot c - mma_groups + 1 full, marked already), with slot c - mma_groups + stages. One copy
         # group per slot in the first `stages`, then one per iteration (empty where nothing is left): slot
         # c >= stages is group c + mma_groups, so waiting for it leaves stages - mma_groups - 1 newer ones
-        for s in T.unroll(stages):
-            load_w_stage(w, ws, bn, ks, ptid, s, s)
-        T.evaluate(T.call_extern("void", WAIT))
-        for s in T.unroll(stages):
-            load_x_stage(x, m, xs, bm, ks, ptid, s, s)
+        first_slots(x, w, m, ws, xs, bm, bn, ks, ptid, stages)
         for c in range(per_split):
             T.evaluate(T.ptx["cp.async.wait_group"](stages - groups - 1))
             T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
