@@ -415,11 +415,10 @@ class LinearMmaRule(FamilyRule):
         if spec is None or not mma_fits(spec, target):
             return None
         chosen = self.knobs_for(spec, target, knobs)
-        plan, gemm, small, func = self._func(spec, target, chosen)
+        plan, gemm, small, mid, func = self._func(spec, target, chosen)
         used = gemm_knobs(gemm)
         few = (few_rows_knobs(small.stages, small.k_steps, small.k_warps, small.n_tiles) if small
                else few_rows_knobs(0, 0, 0, 0))  # fmt: skip
-        mid = self._mid_plan(spec, target, chosen)
         mid_used = {"mid_rows": mid.block_m, **{f"mid_{name}": getattr(mid, name) for name in MID_KNOBS}} if mid else {}
         return Kernel(name=spec.name, func=func, reference=spec.prim_func(), rule=self.name,
                       knobs={**plan.knobs(), "gemm_rows": chosen["gemm_rows"], **used, **few, **mid_used},
@@ -477,7 +476,8 @@ class LinearMmaRule(FamilyRule):
 
     def _func(
         self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]
-    ) -> tuple[MmaPlan, TiledPlan | WgmmaPlan | None, TiledPlan | None, Any]:
+    ) -> tuple[MmaPlan, TiledPlan | WgmmaPlan | None, TiledPlan | None, WgmmaPlan | None, Any]:
+        """(GEMV-mode plan, GEMM above gemm_rows, small tiled kernel, GEMM up to mid_rows, PrimFunc)."""
         plan = fit_mma_plan(spec, target, knobs)
         rows = knobs["gemm_rows"]
         if rows < 0:
@@ -503,7 +503,7 @@ class LinearMmaRule(FamilyRule):
                 "epilogue runs on the small tiled kernel and the GEMM, whose blocks each hold whole sums. Fix: "
                 "x_stages 0, gemm_rows > 0, gemv_tiled_stages > 0 and gemm_k_splits / wgmma_k_splits 1"
             )
-        return plan, gemm, small, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small, mid)
+        return plan, gemm, small, mid, mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small, mid)
 
     def gemm_defaults(self, target: Target) -> dict[str, int]:
         """GEMM-mode knobs (x_stages >= 1) where not given: x is out of the registers, so FP8 double-buffers
@@ -592,7 +592,7 @@ class LinearMmaRule(FamilyRule):
         return resolved
 
     def schedule(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        return self._func(spec, target, knobs)[3]
+        return self._func(spec, target, knobs)[-1]
 
 
 class _TiledEpilogueRule(LinearMmaRule):

@@ -198,6 +198,13 @@ def mma_gemv_func(
         mid_parts = mid.k_splits if mid is not None else 1
 
         @T.macro
+        def run_large(x, w, scale, y, m):
+            # the k splits' partial sums (a host workspace; one slot of nothing without splits)
+            part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace else (1,),
+                                         "float32")  # fmt: skip
+            large(x, w, scale, y, m, part)
+
+        @T.macro
         def body(x, w, scale, y, m):
             if m <= rows:
                 if small is None:
@@ -212,14 +219,9 @@ def mma_gemv_func(
                                                      if mid_parts > 1 else (1,), "float32")  # fmt: skip
                     middle(x, w, scale, y, m, mid_part)
                 else:
-                    part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace
-                                                 else (1,), "float32")  # fmt: skip
-                    large(x, w, scale, y, m, part)
+                    run_large(x, w, scale, y, m)
             else:
-                # the k splits' partial sums (a host workspace; one slot of nothing without splits)
-                part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace else (1,),
-                                             "float32")  # fmt: skip
-                large(x, w, scale, y, m, part)
+                run_large(x, w, scale, y, m)
 
     if spec.fp8:
 
