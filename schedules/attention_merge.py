@@ -6,6 +6,7 @@ parameters and the workspaces between them. A rule supplies the split kernel.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -184,17 +185,52 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
 
 
 def attention_prim_func(
-    spec: BlockAttentionSpec, splits: int, chunk: int, device: bool, split: Any, slots: int = 0
+    spec: BlockAttentionSpec,
+    splits: int,
+    chunk: int,
+    device: bool,
+    split: Any,
+    slots: int = 0,
+    clustered: Mapping[int, Any] | None = None,
 ) -> Any:
     """The block-attention PrimFunc both kernels share: the parameters, the host workspaces between the two
     kernels (unnormalised outputs and (max, sum) per split), the split kernel `split(q, k, v, kv, block_table,
     cache_lens, blk_positions, part_o, part_ml, nb)` and the merge kernel. The splits' spans are cut in
-    multiples of `chunk` keys, `slots` as `split_span_macro` says."""
+    multiples of `chunk` keys, `slots` as `split_span_macro` says.
+
+    `clustered` maps span counts c to kernels `kernel(q, k, v, kv, block_table, cache_lens, blk_positions,
+    out, nb)` whose c spans of a (sequence, kv head) are one thread block cluster that merges them itself: a
+    batch whose `span_count` is c launches that kernel alone, no workspace, no merge kernel."""
     from tvm.script import tirx as T
 
     heads, hkv, dim, page = spec.heads, spec.kv_heads, spec.head_dim, spec.page_size
     rows = spec.block * spec.group
     merge = merge_macro(spec, splits, chunk, device, slots)
+
+    @T.macro
+    def two_kernels(q, k, v, kv, block_table, cache_lens, blk_positions, out, nb):
+        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
+        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
+        split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb)
+        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
+
+    def pick_macro(counts: list[int]) -> Any:
+        # the kernel of the first span count that is the batch's, else the next ones', else the two kernels
+        if not counts:
+            return two_kernels
+        count, rest = counts[0], pick_macro(counts[1:])
+        kernel = (clustered or {})[count]
+
+        @T.macro
+        def pick(q, k, v, kv, block_table, cache_lens, blk_positions, out, nb):
+            if span_count(spec, splits, slots, nb) == count:
+                kernel(q, k, v, kv, block_table, cache_lens, blk_positions, out, nb)
+            else:
+                rest(q, k, v, kv, block_table, cache_lens, blk_positions, out, nb)
+
+        return pick
+
+    body = pick_macro(sorted(clustered or {}, reverse=True))
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -220,9 +256,6 @@ def attention_prim_func(
         cache_lens = T.match_buffer(lens_h, (nb,), "int32")
         blk_positions = T.match_buffer(pos_h, (m,), "int32")
         out = T.match_buffer(out_h, (m, heads * dim), DTYPE)
-        part_o = T.sblock_alloc_buffer((nb, hkv, splits, rows, dim), "float32")
-        part_ml = T.sblock_alloc_buffer((nb, hkv, splits, rows, 2), "float32")
-        split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb)
-        merge(part_o, part_ml, cache_lens, blk_positions, out, nb)
+        body(q, k, v, kv, block_table, cache_lens, blk_positions, out, nb)
 
     return attention

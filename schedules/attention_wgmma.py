@@ -33,6 +33,12 @@ its last key and score -inf, as do keys a mask hides. The splits, their spans an
 the mma kernel's (`attention_prim_func`), so `attention_merge.py`'s merge kernel serves both. Before the wait
 for inputs the first `prefetch` groups' cached K/V lines are prefetched into L2, from the host-written
 lengths and tables.
+
+With knob `cluster` (a power of two up to 16) a batch whose span count is 2, 4, .. `cluster` launches
+instead one kernel whose spans of a (sequence, kv head) are one thread block cluster: each block leaves its
+unnormalised rows and (max, sum) in its own shared memory, and the cluster merges them there
+(`cluster_merge_macro`), so no workspace is written and no merge kernel runs. Other span counts keep the
+two kernels. It is off by default (`AttentionWgmmaRule` has the figures).
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT
+from dflash_compiler.cluster import DIMS, LOAD4, MAX_CLUSTER, SYNC
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT
 from dflash_compiler.targets import Target
 from dflash_compiler.wgmma import (
     COMMIT,
@@ -67,6 +74,9 @@ ATOM = SWIZZLE_BYTES // 2  # bf16 per swizzled row
 TILE = ROWS * ATOM  # bf16 elements of one atom of a 64-row tile (Q, K and V tiles all have 64 rows)
 WGMMA_K = 16
 DEFAULT_STAGES = 3
+MERGE_STATS = 8  # f32 past a row's outputs in the cluster merge's tile: (max, sum), then pad (16-byte rows)
+MERGE_THREADS = WARPGROUP
+DEFAULT_CLUSTER = 0  # off: slower in the step (AttentionWgmmaRule says why); a tuning database may turn it on
 
 
 def tile_offset(row: Any, vector: Any) -> Any:
@@ -85,10 +95,21 @@ class WgmmaAttentionPlan:
     slots: int = 0  # > 0: the grid a batch's splits aim at (blocks); a larger batch takes fewer splits
     prefetch: int = 0  # groups whose cached K/V lines are prefetched into L2 before the wait for inputs
     stages: int = DEFAULT_STAGES  # ring slots of one group's K and V; stages - 1 groups' copies fly ahead
+    cluster: int = 0  # > 0: span counts 2, 4, .. cluster run as one cluster that merges itself
+
+    @property
+    def cluster_counts(self) -> tuple[int, ...]:
+        """The span counts that get a cluster kernel: the powers of two from 2 up to `cluster`."""
+        return tuple(1 << i for i in range(1, self.cluster.bit_length()) if 1 << i <= self.cluster)
 
     def shared_bytes(self, spec: BlockAttentionSpec) -> int:
         """The Q tile and the ring's slots of a group's K and V tiles."""
         return (1 + 2 * self.stages) * (spec.head_dim // ATOM) * TILE * 2
+
+    @staticmethod
+    def cluster_shared_bytes(spec: BlockAttentionSpec) -> int:
+        """The cluster merge's f32 tile over the same memory: 64 rows of head_dim outputs, (max, sum) and pad."""
+        return ROWS * (spec.head_dim + MERGE_STATS) * 4
 
 
 def wgmma_attention_fits(spec: BlockAttentionSpec, target: Target) -> bool:
@@ -110,6 +131,7 @@ def fit_wgmma_attention(
     slots: int = 0,
     prefetch: int = 0,
     stages: int = DEFAULT_STAGES,
+    cluster: int = 0,
 ) -> WgmmaAttentionPlan:
     """The plan for `spec` (which `wgmma_attention_fits` `target`) with these knobs, checked."""
     if not 1 <= splits <= 256:
@@ -121,7 +143,13 @@ def fit_wgmma_attention(
             f"{AttentionWgmmaRule.name} knob prefetch={prefetch}: expected 0 (off) to 16 groups prefetched before "
             "the wait for inputs"
         )
-    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages)
+    if cluster and (cluster & (cluster - 1) or not 2 <= cluster <= min(splits, MAX_CLUSTER)):
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob cluster={cluster}: expected 0 (a merge kernel) or a power of two from 2 "
+            f"to min(splits={splits}, {MAX_CLUSTER}), the largest cluster of spans that merges itself"
+        )
+    # the cluster merge's tile always fits: 64 · (head_dim + 8) floats against (1 + 2 · stages) · 64 · head_dim bf16
+    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster)
     if stages < 2:
         raise ScheduleError(
             f"{AttentionWgmmaRule.name} knob stages={stages}: expected 2 or more ring slots (one group multiplied "
@@ -204,130 +232,233 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                 copy16(sm[dst], k[s * blk + key - n, g * dim + d0])
                 copy16(sm[dst + atoms * TILE], v[s * blk + key - n, g * dim + d0])
 
+    def split_macro(cluster: int) -> Any:
+        # cluster 0: the split kernel, partial results to the workspaces; else the kernel of `cluster` spans
+        # launched as one cluster, merging them itself into `out`
+        merge_in_cluster = cluster_merge_macro(spec, cluster) if cluster else None
+
+        @T.macro
+        def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, out, nb):
+            for s in T.thread_binding(nb, thread="blockIdx.z"):
+                for g in T.thread_binding(hkv, thread="blockIdx.y"):
+                    for p in T.thread_binding(cluster if cluster > 0 else span_count(spec, splits, plan.slots, nb),
+                                              thread="blockIdx.x"):  # fmt: skip
+                        for ty in T.thread_binding(4, thread="threadIdx.y"):
+                            for lane in T.thread_binding(WARP, thread="threadIdx.x"):
+                                with T.sblock("split"):
+                                    T.reads()
+                                    T.writes()
+                                    # the Q tile, then per slot the group's K tile and V tile
+                                    sm = T.sblock_alloc_buffer((q_elems + stages * slot_elems,), DTYPE,
+                                                               scope="shared.dyn")  # fmt: skip
+                                    span = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                                    pt = T.sblock_alloc_buffer((fetch,), "int32", scope="local")
+                                    sacc = T.sblock_alloc_buffer((4 * nts,), "float32", scope="local")
+                                    pa = T.sblock_alloc_buffer((4 * nts,), DTYPE, scope="local")
+                                    oacc = T.sblock_alloc_buffer((4 * dts,), "float32", scope="local")
+                                    m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                    l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                    stat = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                                    q_at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+
+                                    tid = T.meta_var(ty * WARP + lane)
+                                    gq = T.meta_var(lane // 4)
+                                    tq = T.meta_var(lane % 4)
+                                    start = T.meta_var(span[0])
+                                    end = T.meta_var(span[2])
+                                    groups = T.meta_var(span[3])
+                                    T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(sm[0])))
+                                    if cluster > 0:  # the spans of a (sequence, kv head) are one cluster along x
+                                        T.evaluate(T.call_extern("void", DIMS, cluster, 1, 1))
+                                    if plan.prefetch > 0:
+                                        # before the wait, the step's lengths and block tables (the host writes
+                                        # them, no kernel of the step does) locate the first groups' cached K/V;
+                                        # only prefetches use them, everything is read again after the wait
+                                        n_early: T.let[T.int32] = cache_lens[s]
+                                        locate(span, s, n_early, p, blk_positions, nb)
+                                        for j in T.unroll(plan.prefetch):
+                                            if j < groups:
+                                                read_table(pt, block_table, s, n_early, start + j * KEYS, end, tid)
+                                                prefetch_group(pt, kv, g, n_early, start + j * KEYS, end, tid)
+                                    # waits first and never triggers (dependent_launch.py), as the mma kernel
+                                    T.evaluate(T.call_extern("void", WAIT))
+                                    n: T.let[T.int32] = cache_lens[s]
+                                    locate(span, s, n, p, blk_positions, nb)
+
+                                    # Q: rows past the block's read its last row
+                                    for i in T.unroll(fetch):
+                                        r = T.meta_var(T.min(vector_row(i, tid), rows - 1))
+                                        for x in T.vectorized(8):
+                                            sm[tile_offset(vector_row(i, tid), vector_index(i, tid)) + x] = q[
+                                                s * blk + r // group,
+                                                (g * group + r % group) * dim + vector_index(i, tid) * 8 + x,
+                                            ]
+                                    for h in T.unroll(2):
+                                        q_at[h] = blk_positions[
+                                            s * blk + T.min(ty * 16 + h * 8 + gq, rows - 1) // group
+                                        ]
+                                        m_run[h] = T.float32(NEG)
+                                        l_run[h] = T.float32(0)
+                                    for i in T.unroll(4 * dts):
+                                        oacc[i] = T.float32(0)
+                                    # the first `ahead` groups' copies, one commit group each (empty or not: the
+                                    # waits count them), then the table entries of the group after
+                                    for j in T.unroll(ahead):
+                                        if j < groups:
+                                            read_table(pt, block_table, s, n, start + j * KEYS, end, tid)
+                                            copy_group(sm, q_elems + j * slot_elems, pt, kv, k, v, s, g, n,
+                                                       start + j * KEYS, end, tid)  # fmt: skip
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                                    if ahead < groups:
+                                        read_table(pt, block_table, s, n, start + ahead * KEYS, end, tid)
+                                    for grp in T.serial(groups):
+                                        base = T.meta_var(q_elems + grp % stages * slot_elems)
+                                        # group grp's copies (this thread's) landed: the younger ones may fly on
+                                        T.evaluate(T.ptx["cp.async.wait_group"](ahead - 1))
+                                        T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+                                        # everyone's landed, and every wgmma that read the slot refilled next
+                                        # (group grp - 1's) has completed
+                                        T.tvm_storage_sync("shared")
+                                        nxt = T.meta_var(grp + ahead)
+                                        if nxt < groups:
+                                            copy_group(sm, q_elems + nxt % stages * slot_elems, pt, kv, k, v, s, g, n,
+                                                       start + nxt * KEYS, end, tid)  # fmt: skip
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                                        if nxt + 1 < groups:
+                                            read_table(pt, block_table, s, n, start + (nxt + 1) * KEYS, end, tid)
+                                        for i in T.unroll(4 * nts):
+                                            sacc[i] = T.float32(0)
+                                        T.evaluate(T.call_extern("void", FENCE))
+                                        for kk in T.unroll(dim // WGMMA_K):
+                                            T.evaluate(T.call_extern(
+                                                "void", mma_s, T.address_of(sacc[0]),
+                                                T.address_of(sm[kk // 4 * TILE + kk % 4 * WGMMA_K]),
+                                                T.address_of(sm[base + kk // 4 * TILE + kk % 4 * WGMMA_K]),
+                                            ))  # fmt: skip
+                                        T.evaluate(T.call_extern("void", COMMIT))
+                                        T.evaluate(T.call_extern("void", wait_s, T.address_of(sacc[0])))
+                                        softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n,
+                                                start + grp * KEYS, end, gq, tq)  # fmt: skip
+                                        T.evaluate(T.call_extern("void", FENCE))
+                                        for kc in T.unroll(KEYS // WGMMA_K):
+                                            T.evaluate(T.call_extern(
+                                                "void", mma_o, T.address_of(oacc[0]), T.address_of(pa[kc * 8]),
+                                                T.address_of(sm[base + atoms * TILE + kc * WGMMA_K * ATOM]), lbo,
+                                            ))  # fmt: skip
+                                        T.evaluate(T.call_extern("void", COMMIT))
+                                        # every wgmma of the group completes here: the barrier of the next group
+                                        # then frees this slot for copies (leaving P·V in flight across groups
+                                        # would need a later wait before that barrier)
+                                        T.evaluate(T.call_extern("void", wait_o, T.address_of(oacc[0])))
+
+                                    # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
+                                    row_sums(l_run)
+                                    if cluster > 0:
+                                        # the next grid may come in: what is left is the short merge
+                                        T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
+                                        merge_in_cluster(sm, oacc, m_run, l_run, out, s, g, p, ty, gq, tq, tid)
+                                    else:
+                                        for h in T.unroll(2):
+                                            if ty * 16 + h * 8 + gq < rows:
+                                                if groups > 0:
+                                                    for j in T.unroll(dts):
+                                                        for e in T.vectorized(2):
+                                                            part_o[
+                                                                s, g, p, ty * 16 + h * 8 + gq, j * 8 + tq * 2 + e
+                                                            ] = oacc[j * 4 + h * 2 + e]
+                                                if tq == 0:
+                                                    part_ml[s, g, p, ty * 16 + h * 8 + gq, 0] = m_run[h]
+                                                    part_ml[s, g, p, ty * 16 + h * 8 + gq, 1] = l_run[h]
+
+        return split
+
+    two = split_macro(0)
+
     @T.macro
     def split(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, nb):
-        for s in T.thread_binding(nb, thread="blockIdx.z"):
-            for g in T.thread_binding(hkv, thread="blockIdx.y"):
-                for p in T.thread_binding(span_count(spec, splits, plan.slots, nb), thread="blockIdx.x"):
-                    for ty in T.thread_binding(4, thread="threadIdx.y"):
-                        for lane in T.thread_binding(WARP, thread="threadIdx.x"):
-                            with T.sblock("split"):
-                                T.reads()
-                                T.writes()
-                                # the Q tile, then per slot the group's K tile and V tile
-                                sm = T.sblock_alloc_buffer((q_elems + stages * slot_elems,), DTYPE,
-                                                           scope="shared.dyn")  # fmt: skip
-                                span = T.sblock_alloc_buffer((4,), "int32", scope="local")
-                                pt = T.sblock_alloc_buffer((fetch,), "int32", scope="local")
-                                sacc = T.sblock_alloc_buffer((4 * nts,), "float32", scope="local")
-                                pa = T.sblock_alloc_buffer((4 * nts,), DTYPE, scope="local")
-                                oacc = T.sblock_alloc_buffer((4 * dts,), "float32", scope="local")
-                                m_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                stat = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                                q_at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        two(q, k, v, kv, block_table, cache_lens, blk_positions, part_o, part_ml, part_o, nb)
 
-                                tid = T.meta_var(ty * WARP + lane)
-                                gq = T.meta_var(lane // 4)
-                                tq = T.meta_var(lane % 4)
-                                start = T.meta_var(span[0])
-                                end = T.meta_var(span[2])
-                                groups = T.meta_var(span[3])
-                                T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(sm[0])))
-                                if plan.prefetch > 0:
-                                    # before the wait, the step's lengths and block tables (the host writes
-                                    # them, no kernel of the step does) locate the first groups' cached K/V;
-                                    # only prefetches use them, everything is read again after the wait
-                                    n_early: T.let[T.int32] = cache_lens[s]
-                                    locate(span, s, n_early, p, blk_positions, nb)
-                                    for j in T.unroll(plan.prefetch):
-                                        if j < groups:
-                                            read_table(pt, block_table, s, n_early, start + j * KEYS, end, tid)
-                                            prefetch_group(pt, kv, g, n_early, start + j * KEYS, end, tid)
-                                # waits first and never triggers (dependent_launch.py), as the mma kernel
-                                T.evaluate(T.call_extern("void", WAIT))
-                                n: T.let[T.int32] = cache_lens[s]
-                                locate(span, s, n, p, blk_positions, nb)
+    def clustered_macro(count: int) -> Any:
+        inner = split_macro(count)
 
-                                # Q: rows past the block's read its last row
-                                for i in T.unroll(fetch):
-                                    r = T.meta_var(T.min(vector_row(i, tid), rows - 1))
-                                    for x in T.vectorized(8):
-                                        sm[tile_offset(vector_row(i, tid), vector_index(i, tid)) + x] = q[
-                                            s * blk + r // group,
-                                            (g * group + r % group) * dim + vector_index(i, tid) * 8 + x,
-                                        ]
-                                for h in T.unroll(2):
-                                    q_at[h] = blk_positions[s * blk + T.min(ty * 16 + h * 8 + gq, rows - 1) // group]
-                                    m_run[h] = T.float32(NEG)
-                                    l_run[h] = T.float32(0)
-                                for i in T.unroll(4 * dts):
-                                    oacc[i] = T.float32(0)
-                                # the first `ahead` groups' copies, one commit group each (empty or not: the
-                                # waits count them), then the table entries of the group after
-                                for j in T.unroll(ahead):
-                                    if j < groups:
-                                        read_table(pt, block_table, s, n, start + j * KEYS, end, tid)
-                                        copy_group(sm, q_elems + j * slot_elems, pt, kv, k, v, s, g, n,
-                                                   start + j * KEYS, end, tid)  # fmt: skip
-                                    T.evaluate(T.ptx["cp.async.commit_group"]())
-                                if ahead < groups:
-                                    read_table(pt, block_table, s, n, start + ahead * KEYS, end, tid)
-                                for grp in T.serial(groups):
-                                    base = T.meta_var(q_elems + grp % stages * slot_elems)
-                                    # group grp's copies (this thread's) landed: the younger ones may fly on
-                                    T.evaluate(T.ptx["cp.async.wait_group"](ahead - 1))
-                                    T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
-                                    # everyone's landed, and every wgmma that read the slot refilled next
-                                    # (group grp - 1's) has completed
-                                    T.tvm_storage_sync("shared")
-                                    nxt = T.meta_var(grp + ahead)
-                                    if nxt < groups:
-                                        copy_group(sm, q_elems + nxt % stages * slot_elems, pt, kv, k, v, s, g, n,
-                                                   start + nxt * KEYS, end, tid)  # fmt: skip
-                                    T.evaluate(T.ptx["cp.async.commit_group"]())
-                                    if nxt + 1 < groups:
-                                        read_table(pt, block_table, s, n, start + (nxt + 1) * KEYS, end, tid)
-                                    for i in T.unroll(4 * nts):
-                                        sacc[i] = T.float32(0)
-                                    T.evaluate(T.call_extern("void", FENCE))
-                                    for kk in T.unroll(dim // WGMMA_K):
-                                        T.evaluate(T.call_extern(
-                                            "void", mma_s, T.address_of(sacc[0]),
-                                            T.address_of(sm[kk // 4 * TILE + kk % 4 * WGMMA_K]),
-                                            T.address_of(sm[base + kk // 4 * TILE + kk % 4 * WGMMA_K]),
-                                        ))  # fmt: skip
-                                    T.evaluate(T.call_extern("void", COMMIT))
-                                    T.evaluate(T.call_extern("void", wait_s, T.address_of(sacc[0])))
-                                    softmax(sacc, pa, oacc, m_run, l_run, stat, q_at, blk_positions, s, n,
-                                            start + grp * KEYS, end, gq, tq)  # fmt: skip
-                                    T.evaluate(T.call_extern("void", FENCE))
-                                    for kc in T.unroll(KEYS // WGMMA_K):
-                                        T.evaluate(T.call_extern(
-                                            "void", mma_o, T.address_of(oacc[0]), T.address_of(pa[kc * 8]),
-                                            T.address_of(sm[base + atoms * TILE + kc * WGMMA_K * ATOM]), lbo,
-                                        ))  # fmt: skip
-                                    T.evaluate(T.call_extern("void", COMMIT))
-                                    # every wgmma of the group completes here: the barrier of the next group
-                                    # then frees this slot for copies (leaving P·V in flight across groups
-                                    # would need a later wait before that barrier)
-                                    T.evaluate(T.call_extern("void", wait_o, T.address_of(oacc[0])))
+        @T.macro
+        def clustered(q, k, v, kv, block_table, cache_lens, blk_positions, out, nb):
+            inner(q, k, v, kv, block_table, cache_lens, blk_positions, out, out, out, nb)
 
-                                # this split's unnormalised rows and (max, sum); an empty split leaves sum 0
-                                row_sums(l_run)
-                                for h in T.unroll(2):
-                                    if ty * 16 + h * 8 + gq < rows:
-                                        if groups > 0:
-                                            for j in T.unroll(dts):
-                                                for e in T.vectorized(2):
-                                                    part_o[s, g, p, ty * 16 + h * 8 + gq, j * 8 + tq * 2 + e] = oacc[
-                                                        j * 4 + h * 2 + e
-                                                    ]
-                                        if tq == 0:
-                                            part_ml[s, g, p, ty * 16 + h * 8 + gq, 0] = m_run[h]
-                                            part_ml[s, g, p, ty * 16 + h * 8 + gq, 1] = l_run[h]
+        return clustered
 
-    return attention_prim_func(spec, splits, CHUNK, True, split, plan.slots).with_attr("tirx.is_scheduled", True)
+    clustered = {count: clustered_macro(count) for count in plan.cluster_counts}
+    func = attention_prim_func(spec, splits, CHUNK, True, split, plan.slots, clustered)
+    return func.with_attr("tirx.is_scheduled", True)
+
+
+def cluster_merge_macro(spec: BlockAttentionSpec, count: int) -> Any:
+    """`cluster_merge(sm, oacc, m_run, l_run, out, s, g, p, ty, gq, tq, tid)`: the `count` spans of one
+    (sequence, kv head), launched as one cluster (block p is rank p), add up their rows in distributed
+    shared memory instead of a workspace and a merge kernel.
+
+    Each block puts its unnormalised rows and their (max, sum) into an f32 tile `[64, head_dim +
+    MERGE_STATS]` over the Q tile and the ring (behind a block barrier: every copy landed, every wgmma
+    completed). After a cluster barrier block p merges the query rows [p · r, (p + 1) · r) (r = ceil(rows /
+    count)), four outputs a thread: the spans' (max, sum) and outputs, one 16-byte remote load each, all
+    issued before any is used, then weights 2^(max - the rows' max) and the bf16 store, as the merge kernel
+    (`attention_merge.merge_macro`) does it. A second cluster barrier keeps every tile alive until the last
+    remote read. An empty span has max NEG, sum 0 and outputs 0, and weighs nothing."""
+    from tvm.script import tirx as T
+
+    blk, group, dim = spec.block, spec.group, spec.head_dim
+    rows, dts, quads = blk * group, dim // 8, dim // 4
+    rows_per = -(-rows // count)
+    chunks = rows_per * quads
+    rounds = -(-chunks // MERGE_THREADS)
+
+    @T.macro
+    def cluster_merge(sm, oacc, m_run, l_run, out, s, g, p, ty, gq, tq, tid):
+        tile = T.decl_buffer((ROWS, dim + MERGE_STATS), "float32", data=sm.data, scope="shared.dyn")
+        stats = T.sblock_alloc_buffer((count, 4), "float32", scope="local")  # max, sum, (pad), weight
+        parts = T.sblock_alloc_buffer((count, 4), "float32", scope="local")
+        total = T.sblock_alloc_buffer((6,), "float32", scope="local")  # four outputs, max, sum
+        # every copy has landed (the trailing groups are empty) and every wgmma has completed
+        T.evaluate(T.ptx["cp.async.wait_all"]())
+        T.tvm_storage_sync("shared")
+        for h in T.unroll(2):
+            for j in T.unroll(dts):
+                for e in T.vectorized(2):
+                    tile[ty * 16 + h * 8 + gq, j * 8 + tq * 2 + e] = oacc[j * 4 + h * 2 + e]
+            if tq == 0:
+                tile[ty * 16 + h * 8 + gq, dim] = m_run[h]
+                tile[ty * 16 + h * 8 + gq, dim + 1] = l_run[h]
+        T.evaluate(T.call_extern("void", SYNC))
+        for r in T.unroll(rounds):
+            c = T.meta_var(r * MERGE_THREADS + tid)
+            row = T.meta_var(p * rows_per + c // quads)
+            col = T.meta_var(c % quads * 4)
+            if (chunks % MERGE_THREADS == 0 or c < chunks) and row < rows:
+                for rank in T.unroll(count):
+                    T.evaluate(T.call_extern("void", LOAD4, T.address_of(stats[rank, 0]), T.address_of(tile[row, dim]),
+                                             rank))  # fmt: skip
+                for rank in T.unroll(count):
+                    T.evaluate(T.call_extern("void", LOAD4, T.address_of(parts[rank, 0]), T.address_of(tile[row, col]),
+                                             rank))  # fmt: skip
+                total[4] = T.float32(NEG)
+                for rank in T.unroll(count):
+                    total[4] = T.max(total[4], stats[rank, 0])
+                total[5] = T.float32(0)
+                for x in T.unroll(4):
+                    total[x] = T.float32(0)
+                for rank in T.unroll(count):
+                    stats[rank, 3] = T.exp2(stats[rank, 0] - total[4])
+                    total[5] = total[5] + stats[rank, 3] * stats[rank, 1]
+                    for x in T.unroll(4):
+                        total[x] = total[x] + stats[rank, 3] * parts[rank, x]
+                total[5] = T.if_then_else(total[5] > T.float32(0), T.float32(1) / total[5], T.float32(0))
+                for x in T.unroll(4):
+                    out[s * blk + row // group, (g * group + row % group) * dim + col + x] = T.Cast(
+                        DTYPE, total[x] * total[5]
+                    )
+        T.evaluate(T.call_extern("void", SYNC))  # no block leaves while another may read its tile
+
+    return cluster_merge
 
 
 class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
@@ -350,15 +481,29 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
       blocks at nb = 8 only exited, and went through the SMs mixed in with the used ones): 212.5 µs against
       273.0; 0.964 / 1.251 / 1.441 / 2.352 against 0.966 / 1.255 / 1.475 / 2.462 in the same run.
     One sequence keeps its 16 splits (8 × 16 blocks): 9.1 µs per layer against 14.7 for the mma kernel.
+
+    `cluster` 16 (the spans of 1-2, 4, 7-8 and 12-16 sequences merged in their cluster, no merge kernel) is
+    correct (bench/attention.py on an H200: 24/24 cases of every mask against numpy, clusters of 16, 8 and 4
+    included) and faster alone (bench/kernels.py, µs per call, merge kernel → cluster: 36.7 → 33.2 at nb = 8,
+    65.8 → 61.8 at nb = 16, 18.9 → 20.0 at nb = 1), but slower in the step: µs the attention adds over five
+    layers (timeline, same run) 72.0 → 74.3 at nb = 1 and 239.9 → 326.6 at nb = 8; the bf16 step 0.952 →
+    0.972 ms at nb = 1 and 1.408 → 1.488 at nb = 8. A cluster waits for its whole group of SMs to be free
+    before any block starts, where single blocks fill SMs as the grid before drains. So it is off by default.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
     """
 
     name = "block_attention_wgmma"
-    knob_names = ("splits", "slots", "prefetch", "stages")
+    knob_names = ("splits", "slots", "prefetch", "stages", "cluster")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
-        return {"splits": default_splits(target), "slots": 2 * target.sm_count, "prefetch": 2, "stages": DEFAULT_STAGES}
+        return {
+            "splits": default_splits(target),
+            "slots": 2 * target.sm_count,
+            "prefetch": 2,
+            "stages": DEFAULT_STAGES,
+            "cluster": DEFAULT_CLUSTER,
+        }
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
         spec = self.spec_of(subject)
@@ -367,5 +512,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
         return super().apply(spec, target, knobs)
 
     def schedule(self, spec: BlockAttentionSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        plan = fit_wgmma_attention(spec, target, knobs["splits"], knobs["slots"], knobs["prefetch"], knobs["stages"])
+        plan = fit_wgmma_attention(
+            spec, target, knobs["splits"], knobs["slots"], knobs["prefetch"], knobs["stages"], knobs["cluster"]
+        )
         return attention_wgmma_func(spec, plan)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dflash_compiler.cluster import non_portable
 from dflash_compiler.errors import DFlashError
 from dflash_compiler.runtime.expr import evaluate
 
@@ -152,7 +153,8 @@ class Module:
     With `dependent_launch`, every launch carries the programmatic-stream-serialization attribute: the
     kernel may start before the previous kernel on the stream has finished, which is safe only for kernels
     that wait for their inputs (`dflash_compiler.dependent_launch`; every kernel the compiler emits does),
-    and a grid of one wave or less claims the shared memory that spreads it over the SMs (`placement.py`).
+    and a grid of one wave or less claims the shared memory that spreads it over the SMs (`placement.py`),
+    unless it runs in clusters. A kernel of clusters larger than portable is opted in to them (cluster.py).
     """
 
     def __init__(self, cubin: bytes, dependent_launch: bool = False) -> None:
@@ -165,6 +167,7 @@ class Module:
         self.handle = check(_driver().cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self._functions: dict[str, Any] = {}
         self._smem_raised: dict[str, int] = {}
+        self._non_portable: set[str] = set()
 
     def function(self, name: str) -> Any:
         if name not in self._functions:
@@ -192,7 +195,11 @@ class Module:
             return  # nothing to do for zero rows
         func = self.function(launch.name)
         self._allow_shared(func, launch.name, smem)
-        if self.dependent_launch:
+        if non_portable(launch.cluster):
+            self._allow_non_portable(func, launch.name)
+        # the driver places a clustered grid cluster by cluster: spreading one block per SM would only leave
+        # fewer clusters room (an H100 holds 7 of 16 blocks that way against 14 at two per SM)
+        if self.dependent_launch and math.prod(launch.cluster) == 1:
             smem = self._spread_shared(func, launch.name, math.prod(grid), math.prod(block), smem)
         what = f"launch of {launch.name} (grid {grid}, block {block}, smem {smem})"
         if not self.dependent_launch:
@@ -213,6 +220,13 @@ class Module:
             attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(_driver().cuFuncSetAttribute(func, attr, smem), f"cuFuncSetAttribute({name}, {smem} B)")
             self._smem_raised[name] = smem
+
+    def _allow_non_portable(self, func: Any, name: str) -> None:
+        """Opt `func` in to clusters of more than 8 blocks (cluster.py); a device without them refuses here."""
+        if name not in self._non_portable:
+            attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            check(_driver().cuFuncSetAttribute(func, attr, 1), f"cuFuncSetAttribute({name}, non-portable cluster size)")
+            self._non_portable.add(name)
 
     def _spread_shared(self, func: Any, name: str, blocks: int, threads: int, smem: int) -> int:
         """The dynamic shared memory to launch `name` with as a dependent (placement.py), checked against the

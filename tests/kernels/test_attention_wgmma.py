@@ -37,6 +37,7 @@ from kernel_harness import (  # noqa: E402
     DSPARK,
     QWEN3_8B,
     SMALL,
+    assert_only_prefetches_before_the_wait,
     assert_split_grid_is_the_used_spans,
     assert_split_waits_and_merge_triggers,
 )
@@ -97,7 +98,12 @@ def test_tiles_are_the_layouts_the_descriptors_describe(dim):
 
 def test_plans_and_knobs():
     knobs = AttentionWgmmaRule().default_knobs(SM90)
-    assert knobs == {"splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3}
+    assert knobs == {"splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0}
+    assert fit_wgmma_attention(QWEN3_8B, SM90, 16, cluster=16).cluster_counts == (2, 4, 8, 16)
+    assert fit_wgmma_attention(QWEN3_8B, SM90, 8, cluster=4).cluster_counts == (2, 4)
+    assert fit_wgmma_attention(QWEN3_8B, SM90, 16).cluster_counts == ()
+    # the merge's f32 tile (outputs, (max, sum), pad) lies over the Q tile and the ring
+    assert WgmmaAttentionPlan.cluster_shared_bytes(QWEN3_8B) == 64 * 136 * 4 <= plan_bytes(QWEN3_8B, 2)
     plan = fit_wgmma_attention(QWEN3_8B, SM90, 16)
     # the Q tile and three slots of a group's K and V: two blocks share an H200 SM
     assert plan.shared_bytes(QWEN3_8B) == 7 * 16384 and 2 * (plan.shared_bytes(QWEN3_8B) + 1024) <= 233472
@@ -108,11 +114,19 @@ def test_plans_and_knobs():
         ({"splits": 0}, "splits=0"),
         ({"slots": -1}, "slots=-1"),
         ({"prefetch": 17}, "prefetch=17"),
+        ({"cluster": 3}, "cluster=3: expected 0 .* or a power of two"),
+        ({"cluster": 32}, "cluster=32"),
+        ({"cluster": 1}, "cluster=1"),
+        ({"splits": 8, "cluster": 16}, r"min\(splits=8, 16\)"),
         ({"key_warps": 2}, "key_warps"),  # the mma rule's knob: not this rule's
     ):
         with pytest.raises(ScheduleError, match=match):
             AttentionWgmmaRule().apply(QWEN3_8B, SM90, bad)
     assert AttentionWgmmaRule().apply(QWEN3_8B, SM121) is None
+
+
+def plan_bytes(spec: BlockAttentionSpec, stages: int) -> int:
+    return WgmmaAttentionPlan(16, stages=stages).shared_bytes(spec)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +191,64 @@ def test_nvrtc_keeps_the_warpgroup_mmas_async(lowered):
     cubin = compile_cubin(cuda.source, SM90.arch)
     assert cubin_arch(cubin) == SM90.arch
     assert set(kernel_names(cubin)) == set(cuda.kernel_names())
+
+
+@pytest.fixture(scope="module")
+def clustered():
+    """Cluster-16 kernels of the Qwen3 drafter, a sliding window and DSpark's 28 query rows."""
+    kernels = [AttentionWgmmaRule().apply(s, SM90, {"cluster": 16}) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK)]
+    return kernels, lower_to_cuda(tvm.IRModule({k.name: k.func for k in kernels}), SM90)
+
+
+def test_batches_of_2_to_16_spans_launch_one_cluster_kernel(clustered):
+    """A batch whose span count is 2, 4, 8 or 16 launches that many blocks per (kv head, sequence) as one
+    cluster and nothing else (no workspace is read, no merge kernel); any other count launches the split and
+    merge kernels. H100/H200: 264 slots, 8 kv heads, so 33 // nb spans up to 16."""
+    kernels, cuda = clustered
+    for kernel in kernels:
+        spec, func = kernel.spec, cuda.functions[kernel.name]
+        assert [w.name for w in func.workspaces] == ["part_o", "part_ml"]
+        *cluster_kernels, split, merge = func.kernels
+        assert [k.cluster for k in cluster_kernels] == [(16, 1, 1), (8, 1, 1), (4, 1, 1), (2, 1, 1)]
+        assert split.cluster == merge.cluster == (1, 1, 1)
+        plan = fit_wgmma_attention(spec, SM90, 16, cluster=16)
+        for nb, count in ((1, 16), (2, 16), (3, 0), (4, 8), (5, 0), (8, 4), (11, 0), (16, 2), (40, 0)):
+            env = {"nb": nb, "m": nb * spec.block, "maxp": 7, "pages": 21}
+            used = max(1, min(16, 2 * SM90.sm_count // (nb * spec.kv_heads)))
+            launched = func.launches(env)
+            if count:
+                assert used == count and len(launched) == 1, (nb, launched)
+                (one,) = launched
+                grid, block, smem = one.launch_dims(env)
+                assert one.cluster == (count, 1, 1) and grid == (count, spec.kv_heads, nb), (nb, grid)
+                assert block == (32, 4, 1) and smem == plan.shared_bytes(spec)
+            else:
+                assert [k.name for k in launched] == [split.name, merge.name], nb
+                assert split.launch_dims(env)[0] == (used, spec.kv_heads, nb)
+
+
+def test_a_cluster_merges_its_spans_in_shared_memory(clustered):
+    """Each cluster kernel waits before it reads (after its L2 prefetches), lets the next grid in once its
+    keys are done, puts its rows into the f32 tile behind a block barrier, meets the cluster, reads each
+    span's (max, sum) and outputs with one 16-byte remote load per span, stores bf16 `out`, and meets the
+    cluster again before it exits; it writes no workspace."""
+    from dflash_compiler.cluster import LOAD4, SYNC
+    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, kernel_bodies
+
+    kernels, cuda = clustered
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    for kernel in kernels:
+        rows = kernel.spec.block * kernel.spec.group
+        for launch in cuda.functions[kernel.name].kernels[:4]:
+            count, body = launch.cluster[0], bodies[launch.name]
+            assert_only_prefetches_before_the_wait(cuda.source, launch.name)
+            assert "part_o" not in body and "part_ml" not in body and "out_ptr[" in body
+            trigger, barrier = body.index(f"{LAUNCH_DEPENDENTS}();"), body.index("__syncthreads();", body.index(
+                f"{LAUNCH_DEPENDENTS}();"))  # fmt: skip
+            first, last = body.index(f"{SYNC}();"), body.rindex(f"{SYNC}();")
+            assert body.count(f"{SYNC}();") == 2 and trigger < barrier < first < last
+            loads = body[first:last].count(f"{LOAD4}(")
+            rows_per = -(-rows // count)
+            rounds = -(-rows_per * kernel.spec.head_dim // 4 // 128)
+            assert loads == 2 * count * rounds, (launch.name, loads)
+            assert body.rindex("out_ptr[") < last

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_compiler.cluster import DIMS, MAX_PORTABLE, ClusterError, add_cluster_dims, cluster_dims
+from dflash_compiler.cluster import (
+    DIMS,
+    MAX_CLUSTER,
+    MAX_PORTABLE,
+    ClusterError,
+    add_cluster_dims,
+    cluster_dims,
+    non_portable,
+)
 
 SOURCE = f"""\
 extern "C" __global__ void __launch_bounds__(256) a_kernel(float* __restrict__ y_ptr, int m);
@@ -42,9 +50,17 @@ def test_two_shapes_or_too_many_blocks_are_refused():
     twice = SOURCE.replace("y_ptr[0] = 1.0f;", f"{DIMS}(1, 1, 2);")
     with pytest.raises(ClusterError, match="expected one shape"):
         cluster_dims(twice)
-    big = SOURCE.replace(f"{DIMS}(1, 1, 4)", f"{DIMS}(1, 1, {MAX_PORTABLE + 1})")
-    with pytest.raises(ClusterError, match="portable cluster"):
+    big = SOURCE.replace(f"{DIMS}(1, 1, 4)", f"{DIMS}(1, 1, {MAX_CLUSTER + 1})")
+    with pytest.raises(ClusterError, match="expected 1 to 16 blocks"):
         cluster_dims(big)
+
+
+def test_clusters_past_portable_are_sm90s_opt_in():
+    """Up to 8 blocks are portable; 9 to 16 build and need the runtime's opt-in (non_portable), more are refused."""
+    wide = SOURCE.replace(f"{DIMS}(1, 1, 4)", f"{DIMS}({MAX_CLUSTER}, 1, 1)")
+    assert cluster_dims(wide) == {"a_kernel": (MAX_CLUSTER, 1, 1)}
+    assert non_portable((MAX_CLUSTER, 1, 1)) and non_portable((1, 3, 3))
+    assert not non_portable((MAX_PORTABLE, 1, 1)) and not non_portable((1, 1, 1))
 
 
 def test_a_launch_without_a_cluster_serializes_as_before_the_field():
