@@ -487,8 +487,10 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     included) and faster alone (bench/kernels.py, µs per call, merge kernel → cluster: 36.7 → 33.2 at nb = 8,
     65.8 → 61.8 at nb = 16, 18.9 → 20.0 at nb = 1), but slower in the step: µs the attention adds over five
     layers (timeline, same run) 72.0 → 74.3 at nb = 1 and 239.9 → 326.6 at nb = 8; the bf16 step 0.952 →
-    0.972 ms at nb = 1 and 1.408 → 1.488 at nb = 8. A cluster waits for its whole group of SMs to be free
-    before any block starts, where single blocks fill SMs as the grid before drains. So it is off by default.
+    0.972 ms at nb = 1 and 1.408 → 1.488 at nb = 8. On an H100 (same run): 1.295 → 1.313 and 1.824 → 1.905
+    ms, and 1.326 and 1.912 with the cluster kernel letting the next grid in only as it exits (instead of
+    before its merge), so the early trigger is not the cause. The warpgroup GEMM's cluster reduction loses in
+    the step the same way (linear_wgmma.cluster_store_macro). So it is off by default.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
     """

@@ -465,8 +465,11 @@ def cluster_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     Measured on the H200 (bench/linear.py --gemm, 128 rows, dependent launches; merge kernel → cluster, same
     run; 388/388 numpy checks including clusters of 2-8 blocks): qkv bf16 26.3 → 20.6 µs with two warpgroups
     and 4 splits, but o_proj 17.1 → 19.9, down 36.9 → 48.0, and FP8 down 51.0 → 86.4, o_proj_fp8 20.5 →
-    32.1; the whole step at nb = 8 with every split GEMM clustered took 1.557 against 1.388 ms. Hence
-    KERNEL_REDUCE stays the default; the knob is there for a tuning database.
+    32.1; the whole step at nb = 8 with every split GEMM clustered took 1.557 against 1.388 ms. On an H100
+    qkv alone gained too (bench/linear.py: 32.6 → 25.2 µs with two warpgroups), but clustering only the
+    split GEMMs of two or more warpgroups (qkv, three) made its 128-row calls in the step (bench/propose.py
+    --timeline, nb = 8, same run) 40.5 µs a layer against 29.5 with the merge kernel, and the step 1.857
+    against 1.824 ms. Hence KERNEL_REDUCE stays the default; the knob is there for a tuning database.
     """
     from tvm.script import tirx as T
 
