@@ -163,7 +163,7 @@ def mma_gemv_func(
     """
     from tvm.script import tirx as T
 
-    n, k, picks = spec.n, spec.k, spec.picks
+    n, k = spec.n, spec.k
     out_dtype, wdtype, symbol = spec.out_dtype, spec.weight_dtype, spec.name
     body = _body_macro(spec, plan)
     if small is not None and (gemm is None or small.k_splits != 1):
@@ -185,23 +185,12 @@ def mma_gemv_func(
         rows, tiled = gemm
         few = body if small is None else tiled_body_macro(spec, small)
         large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
-        splits = tiled.k_splits
-        # the k splits' partial sums go through a workspace unless a cluster adds them (linear_wgmma.py)
-        workspace = splits > 1 and not (isinstance(tiled, WgmmaPlan) and tiled.cluster)
-        # lm_head_argmax: each block's best (rank, value) per row, [2, m, blocks along n] (linear_argmax.py)
-        few_blocks = pick_blocks(spec, small) if small is not None else 0
-        large_blocks = pick_blocks(spec, tiled)
         middle = wgmma_body_macro(spec, mid) if mid is not None else None
         mid_rows = mid.block_m if mid is not None else 0
-        mid_blocks = pick_blocks(spec, mid) if mid is not None else 0
-        # the mid GEMM's partial sums: a host workspace of its own
-        mid_parts = mid.k_splits if mid is not None else 1
 
         @T.macro
         def run_large(x, w, scale, y, m):
-            # the k splits' partial sums (a host workspace; one slot of nothing without splits)
-            part = T.sblock_alloc_buffer((2, m, large_blocks) if picks else (splits, m, n) if workspace else (1,),
-                                         "float32")  # fmt: skip
+            part = T.sblock_alloc_buffer(partials_shape(spec, tiled, m), "float32")
             large(x, w, scale, y, m, part)
 
         @T.macro
@@ -210,13 +199,11 @@ def mma_gemv_func(
                 if small is None:
                     few(x, w, scale, y, m)
                 else:
-                    # no k split: no partial sums (one slot of nothing unless argmax partials)
-                    few_ws = T.sblock_alloc_buffer((2, m, few_blocks) if picks else (1,), "float32")
+                    few_ws = T.sblock_alloc_buffer(partials_shape(spec, small, m), "float32")
                     few(x, w, scale, y, m, few_ws)
             elif mid is not None:
                 if m <= mid_rows:
-                    mid_part = T.sblock_alloc_buffer((2, m, mid_blocks) if picks else (mid_parts, m, n)
-                                                     if mid_parts > 1 else (1,), "float32")  # fmt: skip
+                    mid_part = T.sblock_alloc_buffer(partials_shape(spec, mid, m), "float32")
                     middle(x, w, scale, y, m, mid_part)
                 else:
                     run_large(x, w, scale, y, m)
@@ -247,6 +234,17 @@ def mma_gemv_func(
         body(x, w, x, y, m)  # no scale buffer: the body reads it only for FP8 weights
 
     return plain
+
+
+def partials_shape(spec: LinearSpec, plan: TiledPlan | WgmmaPlan, m: Any) -> tuple[Any, ...]:
+    """The host workspace of a tiled or warpgroup GEMM's call of `m` rows: lm_head_argmax's best (rank, value)
+    per row and block along n, `[2, m, blocks]` (linear_argmax.py); the k splits' f32 partial sums `[splits,
+    m, n]` for the merge kernel, unless a cluster adds them (linear_wgmma.py); else one slot of nothing."""
+    if spec.picks:
+        return (2, m, pick_blocks(spec, plan))
+    if plan.k_splits > 1 and not (isinstance(plan, WgmmaPlan) and plan.cluster):
+        return (plan.k_splits, m, spec.n)
+    return (1,)
 
 
 def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
