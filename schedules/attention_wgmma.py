@@ -481,18 +481,21 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
       blocks at nb = 8 only exited, and went through the SMs mixed in with the used ones): 212.5 µs against
       273.0; 0.964 / 1.251 / 1.441 / 2.352 against 0.966 / 1.255 / 1.475 / 2.462 in the same run.
     One sequence keeps its 16 splits (8 × 16 blocks): 9.1 µs per layer against 14.7 for the mma kernel.
-
-    `cluster` 16 (the spans of 1-2, 4, 7-8 and 12-16 sequences merged in their cluster, no merge kernel) is
-    correct (bench/attention.py on an H200: 24/24 cases of every mask against numpy, clusters of 16, 8 and 4
-    included) and faster alone (bench/kernels.py, µs per call, merge kernel → cluster: 36.7 → 33.2 at nb = 8,
-    65.8 → 61.8 at nb = 16, 18.9 → 20.0 at nb = 1), but slower in the step: µs the attention adds over five
-    layers (timeline, same run) 72.0 → 74.3 at nb = 1 and 239.9 → 326.6 at nb = 8; the bf16 step 0.952 →
-    0.972 ms at nb = 1 and 1.408 → 1.488 at nb = 8. On an H100 (same run): 1.295 → 1.313 and 1.824 → 1.905
-    ms, and 1.326 and 1.912 with the cluster kernel letting the next grid in only as it exits (instead of
-    before its merge), so the early trigger is not the cause. The warpgroup GEMM's cluster reduction loses in
-    the step the same way (linear_wgmma.cluster_store_macro). So it is off by default.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
+
+    `cluster` (0: off) is the largest span count merged in a cluster. 16 (the spans of 1-2, 4, 7-8 and 12-16
+    sequences merged in their cluster, no merge kernel) is correct (bench/attention.py on an H200: 24/24 cases
+    of every mask against numpy, clusters of 16, 8 and 4 included) and, alone, faster at 8 and 16 sequences
+    (bench/kernels.py, µs per call, merge kernel → cluster: 36.7 → 33.2 at nb = 8, 65.8 → 61.8 at nb = 16, 18.9
+    → 20.0 at nb = 1), but slower in the step: µs the attention adds over five layers (timeline, same run) 72.0
+    → 74.3 at nb = 1 and 239.9 → 326.6 at nb = 8; the bf16 step 0.952 → 0.972 ms at nb = 1 and 1.408 → 1.488 at
+    nb = 8. On an H100 (same run) 1.295 → 1.313 and 1.824 → 1.905 ms, and 1.326 and 1.912 with the cluster
+    kernel letting the next grid in only as it exits (instead of before its merge); with plain launches (no
+    kernel a dependent of the one before) the attention still added 81.7 → 83.7 µs at nb = 1 and 317.2 → 375.7
+    at nb = 8. So neither the trigger nor dependent launch is the cause (not profiled further). The warpgroup
+    GEMM's cluster reduction loses in the step the same way (linear_wgmma.cluster_store_macro). So it is off by
+    default.
     """
 
     name = "block_attention_wgmma"
