@@ -10,10 +10,12 @@ from collections.abc import Mapping
 from functools import cache
 
 import numpy as np
+import pytest
 
 from dflash_compiler.schedules.attention import BlockAttentionSpec
 from dflash_compiler.schedules.base import KernelSpec
 from dflash_compiler.schedules.check import mismatches
+from dflash_compiler.schedules.linear import FP8, LinearArgmaxRule, LinearSiluRule, LinearSpec
 
 # block-attention shapes the tensor-core attention tests (mma.sync and warpgroup) share
 QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
@@ -21,6 +23,17 @@ DFLASH2_SWA = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, c
 # 7 block rows x 4 heads = 28 query rows per kv head: a ragged last warp (mma.sync), 28 of a warpgroup's 64
 DSPARK = BlockAttentionSpec(block=7, heads=32, kv_heads=8, head_dim=128, causal=False)
 SMALL = BlockAttentionSpec(block=8, heads=8, kv_heads=8, head_dim=64, causal=True, window=24)  # 8 rows, no GQA
+
+# the linears whose epilogue takes whole sums (lm_head + argmax, gate_up + silu on FP8 weights), as a test's
+# (rule, spec) parameters
+FUSED_EPILOGUES = pytest.mark.parametrize(
+    ("rule", "spec"),
+    [
+        (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096)),
+        (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, FP8)),
+    ],
+    ids=["argmax", "silu-fp8"],
+)
 
 
 @cache

@@ -12,9 +12,7 @@ from dflash_compiler.schedules.base import ScheduleError
 from dflash_compiler.schedules.linear import (
     FP8,
     MID_KNOBS,
-    LinearArgmaxRule,
     LinearMmaRule,
-    LinearSiluRule,
     LinearSpec,
     mid_defaults,
 )
@@ -22,6 +20,8 @@ from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS
 from dflash_compiler.targets import SM90, SM120
 
 tvm = pytest.importorskip("tvm")
+
+from kernel_harness import FUSED_EPILOGUES  # noqa: E402 - TVM
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
@@ -68,14 +68,7 @@ def test_calls_up_to_mid_rows_take_the_mid_gemm(spec, splits):
     assert evaluate(sizes["mid_part"][0], {"m": 64}) == splits * 64 * spec.n
 
 
-@pytest.mark.parametrize(
-    ("rule", "spec"),
-    [
-        (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096)),
-        (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, FP8)),
-    ],
-    ids=["argmax", "silu-fp8"],
-)
+@FUSED_EPILOGUES
 def test_the_fused_epilogues_have_a_mid_gemm_of_whole_sums(rule, spec):
     """lm_head_argmax and matmul_silu take whole sums: the mid GEMM has no k split; the argmax one picks per
     block into a workspace of its own, merged by its own kernel."""

@@ -17,9 +17,7 @@ from dflash_compiler.mbarrier import ARRIVE, BARRIER_BYTES, INIT, NAMED_SYNC, WA
 from dflash_compiler.schedules.base import ScheduleError
 from dflash_compiler.schedules.linear import (
     FP8,
-    LinearArgmaxRule,
     LinearMmaRule,
-    LinearSiluRule,
     LinearSpec,
     fit_wgmma_plan,
 )
@@ -30,7 +28,7 @@ from dflash_compiler.wgmma import FENCE_ASYNC_SHARED, WAIT_PRIOR, mma_name, wait
 
 tvm = pytest.importorskip("tvm")
 
-from kernel_harness import assert_only_weights_before_the_wait  # noqa: E402 - TVM
+from kernel_harness import FUSED_EPILOGUES, assert_only_weights_before_the_wait  # noqa: E402 - TVM
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
@@ -145,14 +143,7 @@ def test_a_producer_warp_fills_the_slots_and_the_warpgroups_wait_for_them(spec, 
     assert cubin_arch(compile_cubin(cuda.source, SM90.arch)) == "sm_90a"
 
 
-@pytest.mark.parametrize(
-    ("rule", "spec"),
-    [
-        (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096)),
-        (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, FP8)),
-    ],
-    ids=["argmax", "silu-fp8"],
-)
+@FUSED_EPILOGUES
 def test_the_fused_epilogues_run_beside_a_producer_warp(rule, spec):
     """The argmax epilogue meets at block barriers: the producer warpgroup takes part in them and writes nothing;
     the silu store is the multiplying warps' alone."""
