@@ -280,7 +280,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                             if j < groups:
                                                 read_table(pt, block_table, s, n_early, start + j * KEYS, end, tid)
                                                 prefetch_group(pt, kv, g, n_early, start + j * KEYS, end, tid)
-                                    # waits first and never triggers (dependent_launch.py), as the mma kernel
+                                    # waits first (dependent_launch.py); the split kernel never triggers, as the
+                                    # mma kernel, and a cluster kernel only once its keys are done
                                     T.evaluate(T.call_extern("void", WAIT))
                                     n: T.let[T.int32] = cache_lens[s]
                                     locate(span, s, n, p, blk_positions, nb)
