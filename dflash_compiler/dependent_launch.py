@@ -20,6 +20,8 @@ that its dependents come in only as its blocks exit:
   shared-memory slots) before the wait, since weights are never written by a kernel, and trigger once
   their weight is out (the tiled ones at the step that issues their last copies, GEMV mode after its last
   pass's multiplies): the next grid arrives for the stream's tail only;
+* the norms (rmsnorm.py) and head_prep load their weights, and head_prep also its RoPE angles from the
+  host-written positions, before the wait, and trigger right after it;
 * the attention split kernels never trigger, and before the wait only prefetch their first groups'
   cached K/V rows into L2: the addresses come from the step's lengths and block tables, which the host
   writes and no kernel of the step does, and everything is read again after the wait, so a stale table

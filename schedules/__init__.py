@@ -16,7 +16,7 @@ from .head_norm_rope import HeadNormRopeRule
 from .head_prep import HeadPrepRule
 from .kv_write import KVWriteRule
 from .linear import LinearArgmaxRule, LinearGemvRule, LinearMmaRule, LinearSiluRule
-from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, schedule_rmsnorm
+from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, rmsnorm_kernel
 
 # Tried in order by `apply_rules`. Families do not overlap except the linears and the attention: the
 # tensor-core rules take the shapes they can tile (warpgroup MMAs first, where the target has them), and
@@ -68,5 +68,5 @@ __all__ = [
     "ScheduleError",
     "apply_rules",
     "rmsnorm_func",
-    "schedule_rmsnorm",
+    "rmsnorm_kernel",
 ]

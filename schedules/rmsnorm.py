@@ -4,12 +4,18 @@ bf16 in and out, f32 accumulation, `m` rows symbolic (int32), hidden size H stat
 takes `a`, `b`, `w` and returns `s = a + b` (bf16) and `y = rmsnorm(a + b)`; the norm reads the f32 sum,
 as the numpy reference interpreter does, not the bf16-rounded `s`.
 
-Schedule: one thread block per row. The sum of squares is an in-thread partial over 16-byte vector loads
-followed by TVM's cross-thread reduction (warp shuffles + a shared staging buffer); the scale pass reloads
-the row with vector loads and stores through a local buffer. Vector loads and stores go through
-`cache_read`/`cache_write` into local buffers and the arithmetic is unrolled, because vectorizing the f32
-arithmetic itself makes TVM emit `make_ulonglong4(<8 floats>)`, which does not compile. The residual
-variant keeps the f32 sum of its row in shared memory (4·H bytes), so `a` and `b` are read once.
+Schedule (`rmsnorm_kernel`, TVMScript): one thread block per row, the row held in registers from load to
+store, 16-byte vector accesses. The weight is loaded before the wait for the grid that writes the inputs,
+so after the wait the kernel reads its inputs once and makes no other trip to memory; the sum of squares is
+a warp butterfly plus one exchange through shared memory.
+
+In a drafter step these kernels sit between weight streams (twice per layer), so their latency is what
+counts. H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, one run, against the TE schedule that
+staged the row's f32 sum in shared memory and loaded the weight after the reduction): the ten
+rmsnorm_residual launches add 16.5 µs to the step instead of 34.7 at nb = 1 (26.8 against 31.6 at nb = 8),
+yet the step is unchanged (bf16 961.2 against 960.4 µs at nb = 1, 1399.2 against 1400.0 at nb = 8; FP8
+651.2 against 648.9): the GEMV after a norm has its first weight slots in flight before its wait, and the
+time the norm gives back goes into that GEMV's stream.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
 
@@ -29,6 +36,7 @@ ROWS = "m"  # the symbolic row count every rmsnorm kernel takes; the launch plan
 DTYPE = "bfloat16"
 _ELEMENT_BYTES = 2
 _OP_ATTR = "dflash.op"
+MAX_HELD = 32  # row elements a thread holds from load to store (f32 sum, input and weight)
 
 
 @dataclass(frozen=True)
@@ -134,61 +142,135 @@ def rmsnorm_func(spec: RMSNormSpec) -> Any:
     return func
 
 
-def schedule_rmsnorm(func: Any, spec: RMSNormSpec, threads: int, vector: int) -> Any:
-    """CUDA schedule of `rmsnorm_func(spec)`: one block of `threads` per row, `vector` elements per load."""
-    from tvm import s_tir
+def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> Any:
+    """The CUDA kernel of `spec` as TVMScript: one block of `threads` per row, `vector` elements per access.
 
-    sch = s_tir.Schedule(func)
-    ss, y = sch.get_sblock("ss"), sch.get_sblock("y")
+    Thread t holds the row's vectors t, t + threads, ... in registers from load to store, so the row is read
+    once. The weight is loaded first, before the wait for the grid that writes the inputs (weights are never
+    written by a kernel; dependent_launch.py), so after the wait the kernel makes one round trip to memory:
+    its inputs' loads, all issued before any is used. The sum of squares is a xor butterfly within each warp,
+    then every thread adds the warps' sums from shared memory (one barrier). The kernel lets the next grid
+    in right after its wait: it is short, and the weight stream after it starts while it runs.
+    """
+    from tvm.script import tirx as T
 
-    def spread(loop: Any) -> tuple[Any, Any]:
-        """Split a row loop into (serial outer, vector) with `threads` threads in between, bound to threadIdx.x."""
-        outer, vec = sch.split(loop, [None, vector])
-        outer, thread = sch.split(outer, [None, threads])
-        sch.reorder(thread, outer, vec)
-        sch.bind(thread, "threadIdx.x")
-        return outer, vec
+    h, eps = spec.hidden, float(spec.eps)
+    chunks = h // vector
+    per = -(-chunks // threads)  # vectors per thread
+    warps = threads // warp
+    ragged = chunks % threads != 0  # the last round of vectors leaves some threads idle
+    width = per * vector
+    full = T.uint32(0xFFFFFFFF)
 
-    def stage_reads(block: Any, names: tuple[str, ...], at: Any) -> None:
-        """Vector-load the named inputs of `block` into local buffers at loop `at` (nothing to do for scalars)."""
-        for name in names if vector > 1 else ():
-            reads = [r.source.name for r in sch.get(block).reads]
-            if name in reads:
-                cache = sch.cache_read(block, reads.index(name), "local", consumer_blocks=[block])
-                sch.compute_at(cache, at)
-                sch.vectorize(sch.get_loops(cache)[-1])
+    @T.macro
+    def load(dst, src, row, tid):
+        for c in T.unroll(per):
+            if not ragged or c * threads + tid < chunks:
+                for v in T.vectorized(vector):
+                    dst[c * vector + v] = src[row, (c * threads + tid) * vector + v]
+
+    @T.macro
+    def load_weight(dst, w, tid):
+        for c in T.unroll(per):
+            if not ragged or c * threads + tid < chunks:
+                for v in T.vectorized(vector):
+                    dst[c * vector + v] = w[(c * threads + tid) * vector + v]
+
+    @T.macro
+    def norm(total, wl, stage, y, shared, row, tid):
+        ss = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        ss[0] = T.float32(0)
+        for e in T.unroll(width):
+            ss[0] = ss[0] + total[e] * total[e]  # idle vectors hold zeros
+        for o in T.unroll(warp.bit_length() - 1):
+            ss[0] = ss[0] + T.call_extern("float32", "__shfl_xor_sync", full, ss[0], warp >> (o + 1), warp)
+        if warps > 1:
+            if tid % warp == 0:
+                shared[tid // warp] = ss[0]
+            T.tvm_storage_sync("shared")
+            ss[0] = T.float32(0)
+            for i in T.unroll(warps):
+                ss[0] = ss[0] + shared[i]
+        ss[0] = T.rsqrt(ss[0] / T.float32(h) + T.float32(eps))
+        for e in T.unroll(width):
+            stage[e] = T.Cast(DTYPE, total[e] * ss[0] * T.Cast("float32", wl[e]))
+        for c in T.unroll(per):
+            if not ragged or c * threads + tid < chunks:
+                for v in T.vectorized(vector):
+                    y[row, (c * threads + tid) * vector + v] = stage[c * vector + v]
+
+    @T.macro
+    def prologue(w, wl, total, tid):
+        for e in T.unroll(width):
+            total[e] = T.float32(0)  # idle vectors keep zeros: they add nothing to the sum of squares
+        load_weight(wl, w, tid)
+        T.evaluate(T.call_extern("void", WAIT))
+        T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
 
     if spec.residual:
-        total, s = sch.get_sblock("sum_f32"), sch.get_sblock("s")
-        row = sch.get_loops(total)[0]
-        for consumer in (s, ss, y):  # everything of one row under the row loop of the first stage
-            sch.reverse_compute_at(consumer, row)
-        sch.set_scope(total, 0, "shared")
-        outer, vec = spread(sch.get_loops(total)[-1])
-        stage_reads(total, ("a", "b"), outer)
-        sch.unroll(vec)
-        _, vec = spread(sch.get_loops(s)[-1])
-        if vector > 1:
-            sch.vectorize(vec)  # a pure f32 -> bf16 copy vectorizes fine
+
+        @T.prim_func(s_tir=True)
+        def rmsnorm_residual(a_h: T.handle, b_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle) -> None:
+            T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+            m = T.int32()
+            a = T.match_buffer(a_h, (m, h), DTYPE)
+            b = T.match_buffer(b_h, (m, h), DTYPE)
+            w = T.match_buffer(w_h, (h,), DTYPE)
+            s = T.match_buffer(s_h, (m, h), DTYPE)
+            y = T.match_buffer(y_h, (m, h), DTYPE)
+            for row in T.thread_binding(m, thread="blockIdx.x"):
+                for tid in T.thread_binding(threads, thread="threadIdx.x"):
+                    with T.sblock("rmsnorm_residual"):
+                        T.reads()
+                        T.writes()
+                        wl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                        al = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                        bl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                        total = T.sblock_alloc_buffer((width,), "float32", scope="local")
+                        shared = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
+                        prologue(w, wl, total, tid)
+                        load(al, a, row, tid)
+                        load(bl, b, row, tid)
+                        for c in T.unroll(per):
+                            if not ragged or c * threads + tid < chunks:
+                                for v in T.unroll(vector):
+                                    total[c * vector + v] = T.Cast("float32", al[c * vector + v]) + T.Cast(
+                                        "float32", bl[c * vector + v]
+                                    )
+                                    bl[c * vector + v] = T.Cast(DTYPE, total[c * vector + v])
+                                for v in T.vectorized(vector):
+                                    s[row, (c * threads + tid) * vector + v] = bl[c * vector + v]
+                        norm(total, wl, al, y, shared, row, tid)
+
+        func = rmsnorm_residual
     else:
-        row = sch.get_loops(ss)[0]
-        sch.reverse_compute_at(y, row)
-    sch.bind(row, "blockIdx.x")
 
-    outer, vec = spread(sch.get_loops(ss)[-1])
-    stage_reads(ss, ("x",), outer)
-    sch.unroll(vec)
-    sch.set_scope(ss, 0, "shared")  # the reduced value is read by every thread of the row
+        @T.prim_func(s_tir=True)
+        def rmsnorm(x_h: T.handle, w_h: T.handle, y_h: T.handle) -> None:
+            T.func_attr({"global_symbol": spec.name, "tirx.noalias": True})
+            m = T.int32()
+            x = T.match_buffer(x_h, (m, h), DTYPE)
+            w = T.match_buffer(w_h, (h,), DTYPE)
+            y = T.match_buffer(y_h, (m, h), DTYPE)
+            for row in T.thread_binding(m, thread="blockIdx.x"):
+                for tid in T.thread_binding(threads, thread="threadIdx.x"):
+                    with T.sblock("rmsnorm"):
+                        T.reads()
+                        T.writes()
+                        wl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                        xl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                        total = T.sblock_alloc_buffer((width,), "float32", scope="local")
+                        shared = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
+                        prologue(w, wl, total, tid)
+                        load(xl, x, row, tid)
+                        for c in T.unroll(per):
+                            if not ragged or c * threads + tid < chunks:
+                                for v in T.unroll(vector):
+                                    total[c * vector + v] = T.Cast("float32", xl[c * vector + v])
+                        norm(total, wl, xl, y, shared, row, tid)
 
-    outer, vec = spread(sch.get_loops(y)[-1])
-    stage_reads(y, ("x", "w"), outer)
-    sch.unroll(vec)
-    if vector > 1:
-        sch.cache_write(y, 0, "local")
-        store = sch.get_consumers(y)[0]
-        sch.reverse_compute_at(store, outer)
-        sch.vectorize(sch.get_loops(store)[-1])
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        func = rmsnorm
+    return func.with_attr(_OP_ATTR, spec.op).with_attr("tirx.is_scheduled", True)
 
 
 class RMSNormRule(Rule):
@@ -214,14 +296,15 @@ class RMSNormRule(Rule):
             return None
         chosen = self.resolve_knobs(target, knobs)
         threads, vector = self._fit(spec, target, chosen["threads"], chosen["vector_bytes"])
-        if spec.residual and 4 * spec.hidden > target.max_static_shared_memory_per_block:
+        held = -(-spec.hidden // (threads * vector)) * vector
+        if held > MAX_HELD:
             raise ScheduleError(
-                f"rmsnorm_residual with hidden {spec.hidden} needs {4 * spec.hidden} bytes of shared memory per "
-                f"block; {target.name} allows {target.max_static_shared_memory_per_block} static. "
-                "Fix: split the residual add from the norm (two nodes) for this hidden size"
+                f"rmsnorm with hidden {spec.hidden} and {threads} threads holds {held} elements of its row per "
+                f"thread in registers; at most {MAX_HELD} keep it out of local memory. Fix: raise the threads "
+                f"knob to at least {-(-spec.hidden // MAX_HELD)} (up to {target.max_threads_per_block})"
             )
         reference = rmsnorm_func(spec)
-        func = schedule_rmsnorm(reference, spec, threads, vector)
+        func = rmsnorm_kernel(spec, threads, vector, target.warp_size)
         used = {**chosen, "threads": threads, "vector_bytes": vector * _ELEMENT_BYTES}
         return Kernel(name=spec.name, func=func, reference=reference, rule=self.name, knobs=used, spec=spec)
 

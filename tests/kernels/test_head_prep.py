@@ -154,6 +154,15 @@ def test_lowered_kernel(lowered, target, spec):
     ropes = sum(w[3] for w in spec.windows)
     assert body.count("sincosf(") == ropes and body.count("#pragma unroll 1") == ropes
     assert "cosf(" not in body.replace("sincosf(", "")
+    # what no kernel of the step writes is read before the wait (norm weights, positions, the angles), x
+    # after it, by every thread whatever its window
+    wait = body.index("dflash_wait_for_inputs();")
+    assert body.count("dflash_wait_for_inputs();") == 1 and body.index("dflash_launch_dependents();") > wait
+    assert body[:wait].count("sincosf(") == ropes and body[:wait].count("positions_ptr[") == ropes
+    for i in range(spec.norms):
+        assert f"w{i}_ptr[" in body[:wait] and f"w{i}_ptr[" not in body[wait:]
+    assert "x_ptr" not in body[:wait]
+    assert body[: body.index("\n", wait)].rsplit("\n", 1)[-1] == "  dflash_wait_for_inputs();"  # outside every branch
 
 
 def test_nvrtc_compiles_the_family_for_sm90a(lowered):

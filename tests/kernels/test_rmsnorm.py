@@ -163,9 +163,30 @@ def test_bad_knobs_are_refused(knobs, message):
         RMSNormRule().apply(_node(), SM90, knobs)
 
 
-def test_too_wide_residual_is_refused():
-    with pytest.raises(ScheduleError, match="shared memory"):
-        RMSNormRule().apply(_node(Op.RMSNORM_RESIDUAL, width=16384), SM90)
+def test_rows_too_wide_for_registers_are_refused_with_the_threads_that_fit():
+    with pytest.raises(ScheduleError, match=r"holds 64 elements .* raise the threads knob to at least 1024"):
+        RMSNormRule().apply(_node(Op.RMSNORM_RESIDUAL, width=32768), SM90)
+    assert RMSNormRule().apply(_node(Op.RMSNORM_RESIDUAL, width=32768), SM90, {"threads": 1024}) is not None
+
+
+def _kernel_body(source: str, name: str) -> str:
+    start = source.index("{", source.index(f"void __launch_bounds__(512) {name}_kernel("))
+    return source[start : source.index("\n}\n", start)]
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_weight_is_loaded_before_the_wait_and_the_row_once_after_it(residual):
+    """After the wait the kernel reads each input once, all before its one barrier (module docstring)."""
+    kernel = RMSNormRule().apply(_node(Op.RMSNORM_RESIDUAL if residual else Op.RMSNORM), SM90)
+    body = _kernel_body(lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90).source, kernel.name)
+    wait, trigger = body.index("dflash_wait_for_inputs();"), body.index("dflash_launch_dependents();")
+    assert body.count("*(uint4*)(w_ptr") == 1 and body.index("*(uint4*)(w_ptr") < wait < trigger
+    inputs = ("a_ptr", "b_ptr") if residual else ("x_ptr",)
+    for name in inputs:
+        assert body.count(f"*(uint4*)({name}") == 1 and trigger < body.index(f"*(uint4*)({name}")
+    assert body.count("__syncthreads()") == 1
+    assert max(body.index(f"*(uint4*)({name}") for name in inputs) < body.index("__syncthreads()")
+    assert "__shared__ alignas(64) float shared_ptr[16]" in body  # one sum per warp, not the row
 
 
 @pytest.mark.parametrize(
