@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import shutil
 import statistics
 import sys
@@ -243,8 +245,65 @@ def timeline_summary(timeline: list[dict[str, Any]]) -> dict[str, Any]:
     return {"span": span, "busy": busy, "idle": idle, "kernels": kernels}
 
 
+GATHERED_PARAMS = ("table",)  # embed's table: a few rows gathered per step, left out of the roofline as well
+
+
+def node_floors(manifest: Any, nb: int, bandwidth: float) -> dict[str, float]:
+    """µs each node of a step takes at least: the DRAM bytes it must read at the copy bandwidth. Those are the
+    weights it streams (each counted at its first reader; a table only gathered from is not streamed) and, for
+    an attention node, its layer's share of every sequence's cached K/V. They add up to `_step_bytes`, checked
+    here, so the floors sum to the roofline."""
+    weights, floors, seen = manifest.weights, {}, set()
+    attention = [
+        c.node for phase in manifest.phases.values() for c in phase.calls if any(b.param == "kv" for b in c.buffers)
+    ]
+    kv_bytes = nb * (CACHED + NEW_ROWS) * manifest.roofline.kv_bytes_per_cached_row
+    for phase in manifest.phases.values():
+        for call in phase.calls:
+            nbytes = kv_bytes // len(attention) if call.node in attention else 0
+            for b in call.buffers:
+                if b.value in weights and b.value not in seen and b.param not in GATHERED_PARAMS:
+                    seen.add(b.value)
+                    record = weights[b.value]
+                    nbytes += math.prod(record.shape) * np.dtype(_numpy_dtype(record.dtype)).itemsize
+            floors[call.node] = floors.get(call.node, 0.0) + nbytes / bandwidth * 1e6
+    total = sum(floors.values()) * bandwidth / 1e6
+    expected = _step_bytes(manifest, nb)
+    if abs(total - expected) > 0.5 * len(floors):
+        raise RuntimeError(
+            f"the nodes' floors add up to {total:.0f} bytes, the step's roofline to {expected}; expected them equal "
+            f"(a weight read another way than streamed or gathered through {GATHERED_PARAMS})"
+        )
+    return floors
+
+
+def _numpy_dtype(name: str) -> Any:
+    import ml_dtypes
+
+    return getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def beyond_roofline(timeline: list[dict[str, Any]], floors: dict[str, float]) -> list[dict[str, Any]]:
+    """Where a step loses against its roofline: per kind of node (its name without the layer prefix `lN.`),
+    the launches, the µs they add to the span (`timeline_summary`'s attribution), the µs their bytes take at
+    copy speed (`node_floors`) and the difference, largest first. The differences add up to the span minus
+    the roofline."""
+    rows: dict[str, list[float]] = {}
+    span = 0.0
+    for e in timeline:
+        kind = re.sub(r"^l\d+\.", "", e["node"])
+        row = rows.setdefault(kind, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += max(0.0, e["end"] - span)
+        span = max(span, e["end"])
+    for node, floor in floors.items():
+        rows.setdefault(re.sub(r"^l\d+\.", "", node), [0, 0.0, 0.0])[2] += floor
+    out = [{"node": k, "launches": int(n), "adds": a, "floor": f, "over": a - f} for k, (n, a, f) in rows.items()]
+    return sorted(out, key=lambda r: -r["over"])
+
+
 def _print_timeline(summary: dict[str, Any]) -> None:
-    """A `timeline_summary` as a table, every kernel that adds at least 1 µs."""
+    """A `timeline_summary` as a table, every kernel that adds at least 1 µs, then `beyond_roofline`."""
     print(
         f"    timeline: span {summary['span']:.1f} µs, kernels busy {summary['busy']:.1f} µs, "
         f"idle between kernels {summary['idle']:.1f} µs"
@@ -253,6 +312,14 @@ def _print_timeline(summary: dict[str, Any]) -> None:
         if row["adds"] >= 1.0:
             per = row["adds"] / row["launches"]
             print(f"      {row['kernel'][:60]:60s} x{row['launches']:<3d} adds {row['adds']:8.1f} µs ({per:6.1f} each)")
+    if summary.get("beyond_roofline"):
+        print("    beyond the roofline, per kind of node: µs added to the span, µs of its bytes at copy speed")
+        for row in summary["beyond_roofline"]:
+            if abs(row["over"]) >= 1.0:
+                print(
+                    f"      {row['node'][:28]:28s} x{row['launches']:<3d} adds {row['adds']:8.1f}  bytes "
+                    f"{row['floor']:8.1f}  over {row['over']:+8.1f} µs"
+                )
 
 
 def _bf16() -> Any:
@@ -446,6 +513,10 @@ def run(args: argparse.Namespace) -> int:
             nbytes = _step_bytes(drafter.manifest, nb)
             roof_ms = nbytes / bandwidth * 1e3
             summary = timeline_summary(ours["timeline"]) if ours["timeline"] else None
+            if summary:
+                summary["beyond_roofline"] = beyond_roofline(
+                    ours["timeline"], node_floors(drafter.manifest, nb, bandwidth)
+                )
             if torch_here:
                 import torch
 

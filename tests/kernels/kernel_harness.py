@@ -92,17 +92,20 @@ def _before_the_wait(source: str, name: str) -> tuple[str, str, set[str]]:
     return body, early, params & set(re.findall(r"(\w+_ptr)\b", early))
 
 
-def assert_only_weights_before_the_wait(source: str, name: str) -> None:
+def assert_only_weights_before_the_wait(
+    source: str, name: str, unwritten: frozenset[str] = frozenset({"w_ptr"})
+) -> None:
     """Kernel `name` of `source` waits once for its inputs (dependent_launch.py) and, before that wait,
-    touches no parameter but the weight `w`: under a dependent launch everything else may still be in
-    the making. A kernel that waits first touches nothing before it; one that lets its dependents in
+    touches no pointer parameter but those in `unwritten` (bound to what no kernel writes: weights, graph
+    inputs the host writes; by default the weight `w`): under a dependent launch everything else may still be
+    in the making. A kernel that waits first touches nothing before it; one that lets its dependents in
     does so after its wait."""
     from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS
 
     body, early, touched = _before_the_wait(source, name)
     trigger = body.find(f"{LAUNCH_DEPENDENTS}();")
     assert trigger == -1 or trigger > len(early), name
-    assert touched <= {"w_ptr"}, (name, touched)
+    assert touched <= unwritten, (name, touched - unwritten)
 
 
 def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:

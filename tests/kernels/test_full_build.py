@@ -80,11 +80,12 @@ def _check_build(program, build, target):
         for kernel in build.kernels.values()
         if kernel.rule in ("block_attention_mma", "block_attention_wgmma") and kernel.knobs.get("prefetch", 0) > 0
     }
+    unwritten = _unwritten(program, build)
     for name in launched:
         if name in prefetching:
             assert_only_prefetches_before_the_wait(build.cuda.source, name)
         else:
-            assert_only_weights_before_the_wait(build.cuda.source, name)
+            assert_only_weights_before_the_wait(build.cuda.source, name, unwritten.get(name, frozenset()))
     for phase, plan in build.plans.items():
         maxima = dict(program.phases[phase].meta["memory"].bindings)
         for call in plan.calls:
@@ -99,3 +100,20 @@ def _check_build(program, build, target):
                 )
                 _, block, _ = launch.launch_dims(sizes)
                 assert block[0] * block[1] * block[2] <= target.max_threads_per_block, launch.name
+
+
+def _unwritten(program, build) -> dict[str, frozenset[str]]:
+    """Per kernel launch, the pointer parameters that every call binds to a weight or a graph input: values
+    no kernel of the step writes, which a kernel may read before its wait."""
+    out: dict[str, frozenset[str]] = {}
+    for phase, plan in build.plans.items():
+        graph = program.phases[phase]
+        for call in plan.calls:
+            safe = frozenset(
+                f"{param}_ptr"
+                for param, view in call.buffers
+                if graph.node(view.value.split(":")[0]).op in (Op.WEIGHT, Op.INPUT)
+            )
+            for launch in build.cuda.functions[call.kernel].kernels:
+                out[launch.name] = out.get(launch.name, safe) & safe
+    return out

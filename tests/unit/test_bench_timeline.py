@@ -36,3 +36,73 @@ def test_adds_sum_to_the_span_when_a_launch_ends_inside_an_earlier_one(propose):
     assert rows == {"a": (2, 10.0 + 7.0), "b": (1, 15.0), "c": (1, 0.0), "d": (1, 8.0)}
     assert sum(adds for _, adds in rows.values()) == summary["span"]
     assert [r["kernel"] for r in summary["kernels"]] == ["a", "b", "d", "c"]  # most added first
+
+
+def _manifest(weight_bytes: int):
+    """A two-phase step: append streams `fc`; propose gathers from `table`, streams `l0.w`, `l1.w` and
+    `lm` (and `norm`, read by both phases), and has one attention per layer over the cache."""
+    from types import SimpleNamespace as NS
+
+    def call(node, *buffers):
+        return NS(node=node, buffers=[NS(param=p, value=v) for p, v in buffers])
+
+    weights = {
+        "fc": NS(shape=[100, 10], dtype="bfloat16"),  # 2000 bytes
+        "table": NS(shape=[1000, 10], dtype="bfloat16"),
+        "norm": NS(shape=[10], dtype="float32"),  # 40
+        "l0.w": NS(shape=[50, 10], dtype="float8_e4m3fn"),  # 500
+        "l1.w": NS(shape=[50, 10], dtype="float8_e4m3fn"),
+        "lm": NS(shape=[300, 10], dtype="bfloat16"),  # 6000
+    }
+    append = NS(calls=[call("fc", ("x", "taps"), ("w", "fc")), call("ctx_norm", ("x", "fc"), ("w", "norm"))])
+    propose = NS(
+        calls=[
+            call("embed", ("anchors", "anchors"), ("table", "table")),
+            call("input_norm", ("x", "embed"), ("w", "norm")),
+            call("l0.qkv", ("x", "input_norm"), ("w", "l0.w")),
+            call("l0.attention", ("q", "l0.qkv"), ("kv", "kv_cache")),
+            call("l1.qkv", ("x", "l0.attention"), ("w", "l1.w")),
+            call("l1.attention", ("q", "l1.qkv"), ("kv", "kv_cache")),
+            call("argmax", ("x", "l1.attention"), ("w", "lm")),
+        ]
+    )
+    roofline = NS(weight_bytes=weight_bytes, context_weight_bytes=2000, kv_bytes_per_cached_row=8)
+    return NS(weights=weights, phases={"append_context": append, "propose": propose}, roofline=roofline)
+
+
+def test_node_floors_are_each_nodes_bytes_at_copy_speed_and_add_up_to_the_roofline(propose):
+    bandwidth = 1e9  # 1000 bytes per µs
+    floors = propose.node_floors(_manifest(40 + 500 + 500 + 6000), nb=2, bandwidth=bandwidth)
+    kv = 2 * (propose.CACHED + propose.NEW_ROWS) * 8 / 2 / 1000  # each layer's half of both sequences' K/V
+    assert floors == pytest.approx(
+        {
+            "fc": 2.0,
+            "ctx_norm": 0.04,  # the shared weight counts once, at its first reader
+            "embed": 0.0,  # a gathered table is not streamed
+            "input_norm": 0.0,
+            "l0.qkv": 0.5,
+            "l0.attention": kv,
+            "l1.qkv": 0.5,
+            "l1.attention": kv,
+            "argmax": 6.0,
+        }
+    )
+    with pytest.raises(RuntimeError, match=r"floors add up to .* expected them equal"):
+        propose.node_floors(_manifest(12345), nb=2, bandwidth=bandwidth)
+
+
+def test_beyond_roofline_groups_layers_and_its_differences_add_up_to_span_minus_floors(propose):
+    timeline = [
+        {"node": "l0.qkv", "kernel": "mm", "start": 0.0, "end": 10.0},
+        {"node": "l0.attention", "kernel": "split", "start": 9.0, "end": 20.0},
+        {"node": "l0.attention", "kernel": "merge", "start": 20.0, "end": 23.0},
+        {"node": "l1.qkv", "kernel": "mm", "start": 22.0, "end": 30.0},
+        {"node": "l1.attention", "kernel": "split", "start": 31.0, "end": 40.0},
+    ]
+    floors = {"l0.qkv": 8.0, "l1.qkv": 8.0, "l0.attention": 2.0, "l1.attention": 2.0}
+    rows = propose.beyond_roofline(timeline, floors)
+    assert [(r["node"], r["launches"], r["adds"], r["floor"]) for r in rows] == [
+        ("attention", 3, 10.0 + 3.0 + 10.0, 4.0),  # over 19
+        ("qkv", 2, 10.0 + 7.0, 16.0),  # over 1
+    ]
+    assert sum(r["over"] for r in rows) == 40.0 - sum(floors.values())
