@@ -154,7 +154,7 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
     """
     from tvm.script import tirx as T
 
-    h, eps = spec.hidden, float(spec.eps)
+    h, eps, residual = spec.hidden, float(spec.eps), spec.residual
     chunks = h // vector
     per = -(-chunks // threads)  # vectors per thread
     warps = threads // warp
@@ -207,7 +207,39 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
         T.evaluate(T.call_extern("void", WAIT))
         T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
 
-    if spec.residual:
+    @T.macro
+    def rows(a, b, w, s, y, m):
+        # the plain variant passes its x as `a` and never touches `b` or `s` (`residual` is static)
+        for row in T.thread_binding(m, thread="blockIdx.x"):
+            for tid in T.thread_binding(threads, thread="threadIdx.x"):
+                with T.sblock("rmsnorm"):
+                    T.reads()
+                    T.writes()
+                    wl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                    al = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                    bl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
+                    total = T.sblock_alloc_buffer((width,), "float32", scope="local")
+                    shared = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
+                    prologue(w, wl, total, tid)
+                    load(al, a, row, tid)
+                    if residual:
+                        load(bl, b, row, tid)
+                    for c in T.unroll(per):
+                        if not ragged or c * threads + tid < chunks:
+                            for v in T.unroll(vector):
+                                if residual:
+                                    total[c * vector + v] = T.Cast("float32", al[c * vector + v]) + T.Cast(
+                                        "float32", bl[c * vector + v]
+                                    )
+                                    bl[c * vector + v] = T.Cast(DTYPE, total[c * vector + v])
+                                else:
+                                    total[c * vector + v] = T.Cast("float32", al[c * vector + v])
+                            if residual:
+                                for v in T.vectorized(vector):
+                                    s[row, (c * threads + tid) * vector + v] = bl[c * vector + v]
+                    norm(total, wl, al, y, shared, row, tid)
+
+    if residual:
 
         @T.prim_func(s_tir=True)
         def rmsnorm_residual(a_h: T.handle, b_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle) -> None:
@@ -218,29 +250,7 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
             w = T.match_buffer(w_h, (h,), DTYPE)
             s = T.match_buffer(s_h, (m, h), DTYPE)
             y = T.match_buffer(y_h, (m, h), DTYPE)
-            for row in T.thread_binding(m, thread="blockIdx.x"):
-                for tid in T.thread_binding(threads, thread="threadIdx.x"):
-                    with T.sblock("rmsnorm_residual"):
-                        T.reads()
-                        T.writes()
-                        wl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
-                        al = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
-                        bl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
-                        total = T.sblock_alloc_buffer((width,), "float32", scope="local")
-                        shared = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
-                        prologue(w, wl, total, tid)
-                        load(al, a, row, tid)
-                        load(bl, b, row, tid)
-                        for c in T.unroll(per):
-                            if not ragged or c * threads + tid < chunks:
-                                for v in T.unroll(vector):
-                                    total[c * vector + v] = T.Cast("float32", al[c * vector + v]) + T.Cast(
-                                        "float32", bl[c * vector + v]
-                                    )
-                                    bl[c * vector + v] = T.Cast(DTYPE, total[c * vector + v])
-                                for v in T.vectorized(vector):
-                                    s[row, (c * threads + tid) * vector + v] = bl[c * vector + v]
-                        norm(total, wl, al, y, shared, row, tid)
+            rows(a, b, w, s, y, m)
 
         func = rmsnorm_residual
     else:
@@ -252,22 +262,7 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
             x = T.match_buffer(x_h, (m, h), DTYPE)
             w = T.match_buffer(w_h, (h,), DTYPE)
             y = T.match_buffer(y_h, (m, h), DTYPE)
-            for row in T.thread_binding(m, thread="blockIdx.x"):
-                for tid in T.thread_binding(threads, thread="threadIdx.x"):
-                    with T.sblock("rmsnorm"):
-                        T.reads()
-                        T.writes()
-                        wl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
-                        xl = T.sblock_alloc_buffer((width,), DTYPE, scope="local")
-                        total = T.sblock_alloc_buffer((width,), "float32", scope="local")
-                        shared = T.sblock_alloc_buffer((warps,), "float32", scope="shared")
-                        prologue(w, wl, total, tid)
-                        load(xl, x, row, tid)
-                        for c in T.unroll(per):
-                            if not ragged or c * threads + tid < chunks:
-                                for v in T.unroll(vector):
-                                    total[c * vector + v] = T.Cast("float32", xl[c * vector + v])
-                        norm(total, wl, xl, y, shared, row, tid)
+            rows(x, x, w, y, y, m)
 
         func = rmsnorm
     return func.with_attr(_OP_ATTR, spec.op).with_attr("tirx.is_scheduled", True)
