@@ -18,15 +18,20 @@ def propose():
     return module
 
 
+def _ran(node: str, kernel: str, start: float, end: float) -> dict:
+    """One timeline entry: `kernel` of `node` ran from `start` to `end` µs."""
+    return {"node": node, "kernel": kernel, "start": start, "end": end}
+
+
 def test_adds_sum_to_the_span_when_a_launch_ends_inside_an_earlier_one(propose):
     # a: 0-10; b starts early (dependent launch) and ends at 25; c runs inside b (0 added); a gap of 5;
     # a again 30-32; d overlaps a's tail and ends at 40
     timeline = [
-        {"node": "n0", "kernel": "a", "start": 0.0, "end": 10.0},
-        {"node": "n1", "kernel": "b", "start": 8.0, "end": 25.0},
-        {"node": "n2", "kernel": "c", "start": 12.0, "end": 20.0},
-        {"node": "n3", "kernel": "a", "start": 30.0, "end": 32.0},
-        {"node": "n4", "kernel": "d", "start": 31.0, "end": 40.0},
+        _ran("n0", "a", 0.0, 10.0),
+        _ran("n1", "b", 8.0, 25.0),
+        _ran("n2", "c", 12.0, 20.0),
+        _ran("n3", "a", 30.0, 32.0),
+        _ran("n4", "d", 31.0, 40.0),
     ]
     summary = propose.timeline_summary(timeline)
     assert summary["span"] == 40.0
@@ -93,11 +98,11 @@ def test_node_floors_are_each_nodes_bytes_at_copy_speed_and_add_up_to_the_roofli
 
 def test_beyond_roofline_groups_layers_and_its_differences_add_up_to_span_minus_floors(propose):
     timeline = [
-        {"node": "l0.qkv", "kernel": "mm", "start": 0.0, "end": 10.0},
-        {"node": "l0.attention", "kernel": "split", "start": 9.0, "end": 20.0},
-        {"node": "l0.attention", "kernel": "merge", "start": 20.0, "end": 23.0},
-        {"node": "l1.qkv", "kernel": "mm", "start": 22.0, "end": 30.0},
-        {"node": "l1.attention", "kernel": "split", "start": 31.0, "end": 40.0},
+        _ran("l0.qkv", "mm", 0.0, 10.0),
+        _ran("l0.attention", "split", 9.0, 20.0),
+        _ran("l0.attention", "merge", 20.0, 23.0),
+        _ran("l1.qkv", "mm", 22.0, 30.0),
+        _ran("l1.attention", "split", 31.0, 40.0),
     ]
     floors = {"l0.qkv": 8.0, "l1.qkv": 8.0, "l0.attention": 2.0, "l1.attention": 2.0}
     rows = propose.beyond_roofline(timeline, floors)
