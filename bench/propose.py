@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -226,19 +227,28 @@ def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[di
     ]
 
 
+def _attributed(timeline: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], float, float]]:
+    """Each launch of `timeline` in order with the idle gap before it (no kernel ran) and what it adds to the
+    span: how far its end moves the latest end so far (0 where it ends inside a launch before it, as
+    dependent launches can), so the adds sum to the span."""
+    span = 0.0
+    for e in timeline:
+        yield e, max(0.0, e["start"] - span), max(0.0, e["end"] - span)
+        span = max(span, e["end"])
+
+
 def timeline_summary(timeline: list[dict[str, Any]]) -> dict[str, Any]:
     """The step's span, its kernels' busy time, the idle gaps where no kernel ran, and per kernel its
-    launches and what they add to the span: a launch adds how far its end moves the latest end so far (0
-    where it ends inside a launch before it, as dependent launches can), so the adds sum to the span."""
+    launches and what they add to the span (`_attributed`)."""
     busy = sum(e["end"] - e["start"] for e in timeline)
+    span = max((e["end"] for e in timeline), default=0.0)
     added: dict[str, list[float]] = {}
-    idle = span = 0.0
-    for e in timeline:
-        idle += max(0.0, e["start"] - span)
+    idle = 0.0
+    for e, gap, adds in _attributed(timeline):
+        idle += gap
         row = added.setdefault(e["kernel"], [0, 0.0])
         row[0] += 1
-        row[1] += max(0.0, e["end"] - span)
-        span = max(span, e["end"])
+        row[1] += adds
     kernels = [
         {"kernel": k, "launches": int(n), "adds": t} for k, (n, t) in sorted(added.items(), key=lambda kv: -kv[1][1])
     ]
@@ -251,53 +261,51 @@ GATHERED_PARAMS = ("table",)  # embed's table: a few rows gathered per step, lef
 def node_floors(manifest: Any, nb: int, bandwidth: float) -> dict[str, float]:
     """µs each node of a step takes at least: the DRAM bytes it must read at the copy bandwidth. Those are the
     weights it streams (each counted at its first reader; a table only gathered from is not streamed) and, for
-    an attention node, its layer's share of every sequence's cached K/V. They add up to `_step_bytes`, checked
-    here, so the floors sum to the roofline."""
-    weights, floors, seen = manifest.weights, {}, set()
+    an attention node, its layer's share of every sequence's cached K/V. Their bytes add up to `_step_bytes`,
+    checked here, so the floors sum to the roofline."""
+    from dflash_compiler.plans import dtype_bytes
+
+    weights, nbytes, seen = manifest.weights, {}, set()
     attention = [
         c.node for phase in manifest.phases.values() for c in phase.calls if any(b.param == "kv" for b in c.buffers)
     ]
     kv_bytes = nb * (CACHED + NEW_ROWS) * manifest.roofline.kv_bytes_per_cached_row
     for phase in manifest.phases.values():
         for call in phase.calls:
-            nbytes = kv_bytes // len(attention) if call.node in attention else 0
+            n = 0
+            if call.node in attention:  # shares of kv_bytes that add up to it exactly
+                i = attention.index(call.node)
+                n = kv_bytes * (i + 1) // len(attention) - kv_bytes * i // len(attention)
             for b in call.buffers:
                 if b.value in weights and b.value not in seen and b.param not in GATHERED_PARAMS:
                     seen.add(b.value)
-                    record = weights[b.value]
-                    nbytes += math.prod(record.shape) * np.dtype(_numpy_dtype(record.dtype)).itemsize
-            floors[call.node] = floors.get(call.node, 0.0) + nbytes / bandwidth * 1e6
-    total = sum(floors.values()) * bandwidth / 1e6
-    expected = _step_bytes(manifest, nb)
-    if abs(total - expected) > 0.5 * len(floors):
+                    n += math.prod(weights[b.value].shape) * dtype_bytes(weights[b.value].dtype)
+            nbytes[call.node] = nbytes.get(call.node, 0) + n
+    total, expected = sum(nbytes.values()), _step_bytes(manifest, nb)
+    if total != expected:
         raise RuntimeError(
-            f"the nodes' floors add up to {total:.0f} bytes, the step's roofline to {expected}; expected them equal "
+            f"the nodes' floors add up to {total} bytes, the step's roofline to {expected}; expected them equal "
             f"(a weight read another way than streamed or gathered through {GATHERED_PARAMS})"
         )
-    return floors
+    return {node: n / bandwidth * 1e6 for node, n in nbytes.items()}
 
 
-def _numpy_dtype(name: str) -> Any:
-    import ml_dtypes
-
-    return getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else np.dtype(name)
+def _kind(node: str) -> str:
+    """A node's name without its layer prefix `lN.`: what the layers' copies of it share."""
+    return re.sub(r"^l\d+\.", "", node)
 
 
 def beyond_roofline(timeline: list[dict[str, Any]], floors: dict[str, float]) -> list[dict[str, Any]]:
-    """Where a step loses against its roofline: per kind of node (its name without the layer prefix `lN.`),
-    the launches, the µs they add to the span (`timeline_summary`'s attribution), the µs their bytes take at
-    copy speed (`node_floors`) and the difference, largest first. The differences add up to the span minus
-    the roofline."""
+    """Where a step loses against its roofline: per kind of node (`_kind`), the launches, the µs they add to
+    the span (`_attributed`), the µs their bytes take at copy speed (`node_floors`) and the difference,
+    largest first. The differences add up to the span minus the roofline."""
     rows: dict[str, list[float]] = {}
-    span = 0.0
-    for e in timeline:
-        kind = re.sub(r"^l\d+\.", "", e["node"])
-        row = rows.setdefault(kind, [0, 0.0, 0.0])
+    for e, _, adds in _attributed(timeline):
+        row = rows.setdefault(_kind(e["node"]), [0, 0.0, 0.0])
         row[0] += 1
-        row[1] += max(0.0, e["end"] - span)
-        span = max(span, e["end"])
+        row[1] += adds
     for node, floor in floors.items():
-        rows.setdefault(re.sub(r"^l\d+\.", "", node), [0, 0.0, 0.0])[2] += floor
+        rows.setdefault(_kind(node), [0, 0.0, 0.0])[2] += floor
     out = [{"node": k, "launches": int(n), "adds": a, "floor": f, "over": a - f} for k, (n, a, f) in rows.items()]
     return sorted(out, key=lambda r: -r["over"])
 
