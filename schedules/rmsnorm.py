@@ -162,19 +162,27 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
     width = per * vector
     full = T.uint32(0xFFFFFFFF)
 
+    def column(c: Any, tid: Any) -> Any:
+        """The first element of thread `tid`'s vector `c` in the row."""
+        return (c * threads + tid) * vector
+
+    def active(c: Any, tid: Any) -> Any:
+        """Whether thread `tid` has a vector `c` (statically true where the row's vectors fill every round)."""
+        return not ragged or c * threads + tid < chunks
+
     @T.macro
     def load(dst, src, row, tid):
         for c in T.unroll(per):
-            if not ragged or c * threads + tid < chunks:
+            if active(c, tid):
                 for v in T.vectorized(vector):
-                    dst[c * vector + v] = src[row, (c * threads + tid) * vector + v]
+                    dst[c * vector + v] = src[row, column(c, tid) + v]
 
     @T.macro
     def load_weight(dst, w, tid):
         for c in T.unroll(per):
-            if not ragged or c * threads + tid < chunks:
+            if active(c, tid):
                 for v in T.vectorized(vector):
-                    dst[c * vector + v] = w[(c * threads + tid) * vector + v]
+                    dst[c * vector + v] = w[column(c, tid) + v]
 
     @T.macro
     def norm(total, wl, stage, y, shared, row, tid):
@@ -195,9 +203,9 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
         for e in T.unroll(width):
             stage[e] = T.Cast(DTYPE, total[e] * ss[0] * T.Cast("float32", wl[e]))
         for c in T.unroll(per):
-            if not ragged or c * threads + tid < chunks:
+            if active(c, tid):
                 for v in T.vectorized(vector):
-                    y[row, (c * threads + tid) * vector + v] = stage[c * vector + v]
+                    y[row, column(c, tid) + v] = stage[c * vector + v]
 
     @T.macro
     def prologue(w, wl, total, tid):
@@ -225,7 +233,7 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
                     if residual:
                         load(bl, b, row, tid)
                     for c in T.unroll(per):
-                        if not ragged or c * threads + tid < chunks:
+                        if active(c, tid):
                             for v in T.unroll(vector):
                                 if residual:
                                     total[c * vector + v] = T.Cast("float32", al[c * vector + v]) + T.Cast(
@@ -236,7 +244,7 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
                                     total[c * vector + v] = T.Cast("float32", al[c * vector + v])
                             if residual:
                                 for v in T.vectorized(vector):
-                                    s[row, (c * threads + tid) * vector + v] = bl[c * vector + v]
+                                    s[row, column(c, tid) + v] = bl[c * vector + v]
                     norm(total, wl, al, y, shared, row, tid)
 
     if residual:
