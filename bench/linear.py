@@ -24,7 +24,7 @@ builds instead the tiled GEMM that takes calls above gemm_rows rows (linear_tile
 named `<kernel>__t<n_warps>x<m_warps>t<n_tiles>x<m_tiles>s<stages>k<k_splits>x<k_steps>[w<k_warps>]`
 (`--gemm-variant`, repeated, picks them; `--shapes` the weights), and on sm_90 the warpgroup
 GEMM (linear_wgmma.py), variants named
-`<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>[q<mma_groups>[r<k_reduce>[p<roles>]]]`
+`<kernel>__g<warpgroups>n<block_m>s<stages>a<k_atoms>k<k_splits>[q<mma_groups>[r<k_reduce>[p<roles>[c<convert>]]]]`
 (`--wgmma-variant`), and with `--mid-rows R` each weight with its calls up to R rows on a second one of R-row
 x tiles (`<kernel>__mid<R>`), against GEMV mode alone and linear_mma's x-ring GEMM mode at 16-256 rows (1-16
 sequences of 16 block rows; `--wgmma-only` leaves those two and the tiled GEMM out), plus correctness cases
@@ -135,17 +135,21 @@ GEMM_ODD = (("matmul", 200, 96, BF16), ("lm_head", 384, 256, BF16), ("matmul_fp8
 GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 3, 2, 2), (1, 2, 4, 2, 4, 1, 4))
 GEMM_ODD_ROWS = (33, 70, 130, 300)
 # the warpgroup GEMM (linear_wgmma.py, on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits[, mma_groups
-# [, k_reduce[, roles]]]) variants with --gemm (--wgmma-variant replaces them), and its correctness cases: ragged
-# n, rows of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8 splits), slots
-# of two atoms, one to three warpgroups, 40-, 64- and 256-row x tiles, and a producer warp (roles 2) with one or
-# two groups in flight, two to four slots, fewer slots than a split has and more
+# [, k_reduce[, roles[, convert]]]]) variants with --gemm (--wgmma-variant replaces them), and its correctness
+# cases: ragged n, rows of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8
+# splits), slots of two atoms, one to three warpgroups, 40-, 64- and 256-row x tiles, a producer warp (roles 2)
+# with one or two groups in flight, two to four slots, fewer slots than a split has and more, and e4m3 weights
+# converted into register fragments (convert 2, built for e4m3 weights only: bf16 ones have nothing to convert)
 WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
 WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16), ("matmul_fp8", 200, 256, FP8),
              ("lm_head", 384, 512, FP8))  # fmt: skip
 WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1, 40, 3, 2, 1), (3, 128, 3, 1, 1, 2),
                       (1, 64, 4, 2, 2, 2), (2, 64, 3, 2, 2, 1, 2), (1, 40, 3, 1, 4, 2, 2), (3, 128, 3, 1, 8, 1, 2),
                       (2, 256, 2, 1, 4, 1, 2), (1, 40, 3, 2, 1, 1, 1, 2), (2, 64, 3, 2, 2, 2, 1, 2),
-                      (3, 128, 4, 1, 1, 2, 1, 2), (1, 128, 2, 1, 4, 1, 1, 2), (2, 256, 3, 1, 2, 1, 1, 2))  # fmt: skip
+                      (3, 128, 4, 1, 1, 2, 1, 2), (1, 128, 2, 1, 4, 1, 1, 2), (2, 256, 3, 1, 2, 1, 1, 2),
+                      (1, 128, 2, 1, 1, 1, 1, 1, 2), (2, 64, 3, 2, 2, 2, 1, 1, 2), (1, 40, 3, 1, 1, 2, 1, 1, 2),
+                      (3, 128, 3, 1, 1, 2, 1, 1, 2), (1, 256, 3, 1, 4, 2, 1, 1, 2), (2, 64, 3, 1, 4, 2, 2, 1, 2),
+                      (1, 40, 3, 2, 2, 2, 1, 2, 2), (2, 128, 3, 1, 2, 1, 1, 2, 2))  # fmt: skip
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -190,7 +194,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.schedules.base import ScheduleError
     from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule, few_rows_knobs
     from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
-    from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS
+    from dflash_compiler.schedules.linear_wgmma import CONVERT_REGISTERS, WGMMA_KNOBS
     from dflash_compiler.targets import get_target
 
     target = get_target(args.target)
@@ -238,12 +242,15 @@ def build(args: argparse.Namespace) -> None:
     def add_wgmma(label: str, spec: LinearSpec, variants: Iterable[tuple[int, ...]], rows: Iterable[int],
                   timed: bool = True) -> None:  # fmt: skip
         for values in variants:
+            if values[8:] == (CONVERT_REGISTERS,) and spec.weight_dtype != FP8:
+                continue
             knobs = {
                 "gemm_rows": 32,
                 "gemm_wgmma": 1,
                 **{f"wgmma_{key}": v for key, v in zip(WGMMA_KNOBS, values, strict=False)},
             }
-            extra = "".join(f"{c}{v}" for c, v in zip("qrp", values[5:], strict=False))  # mma_groups, k_reduce, roles
+            # mma_groups, k_reduce, roles, convert
+            extra = "".join(f"{c}{v}" for c, v in zip("qrpc", values[5:], strict=False))
             tag = "g{}n{}s{}a{}k{}".format(*values) + extra
             add_variant(label, spec, tag, rows, knobs, timed)
 
@@ -579,8 +586,8 @@ def main() -> int:
     b.add_argument(
         "--wgmma-variant",
         action="append",
-        type=_knob_values((5, 6, 7, 8), "2,128,3,1,1"),
-        metavar="G,BM,S,A,KS[,MG[,KR[,R]]]",
+        type=_knob_values((5, 6, 7, 8, 9), "2,128,3,1,1"),
+        metavar="G,BM,S,A,KS[,MG[,KR[,R[,C]]]]",
         help="with --gemm: a warpgroup GEMM variant (wgmma_ knobs in WGMMA_KNOBS order) instead of the built-in ones",
     )
     b.add_argument(

@@ -17,11 +17,19 @@ e4m3 NaN (`s 1111 111`) comes out as ±480 rather than NaN: packed weights never
 `PRELUDE` is prepended to every generated CUDA source (codegen.py); a kernel calls
 `E4M3X4_TO_BF16(lo, hi, src)` with `src` four e4m3 bytes (4-byte aligned) and `lo`, `hi` two bf16 pairs
 (4-byte aligned each): `lo` gets bytes 0 and 1, `hi` bytes 2 and 3, the lower byte in the lower half.
+
+`E4M3_A_FRAGMENT(frag, row, row8, quad)` builds a thread's A fragment of one k16 step of a 16-row weight tile
+(mma.sync m16n8k16's layout, which wgmma's register A operand takes per warp) straight from e4m3 rows:
+`row` and `row8` are the 16 e4m3 of that k16 step of rows g and g + 8 (16-byte aligned), `quad` the thread's
+t = lane % 4, and `frag` gets four bf16 pairs: row g at k 2t, 2t + 1; row g + 8 there; row g at k 2t + 8,
+2t + 9; row g + 8 there. One byte permute per pair picks its two bytes out of an 8-byte half of the row and
+puts them where the conversion reads them (bytes 1 and 3; it masks bytes 0 and 2 away).
 """
 
 from __future__ import annotations
 
 E4M3X4_TO_BF16 = "dflash_e4m3x4_to_bf16"
+E4M3_A_FRAGMENT = "dflash_e4m3_a_fragment"
 
 PRELUDE = f"""\
 // e4m3 -> bf16 in integer instructions (dflash_compiler.fp8_convert)
@@ -36,5 +44,15 @@ __device__ __forceinline__ void {E4M3X4_TO_BF16}(void* lo, void* hi, const void*
   unsigned w = *(const unsigned*)src;
   *(unsigned*)lo = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(w, 0u, 0x1404u));
   *(unsigned*)hi = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(w, 0u, 0x3424u));
+}}
+__device__ __forceinline__ void {E4M3_A_FRAGMENT}(void* frag, const void* row, const void* row8, unsigned quad) {{
+  // bytes 2t and 2t + 1 of an 8-byte half into bytes 1 and 3
+  unsigned sel = quad * 0x2020u + 0x1000u;
+  uint4 a = *(const uint4*)row, b = *(const uint4*)row8;
+  unsigned* f = (unsigned*)frag;
+  f[0] = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(a.x, a.y, sel));
+  f[1] = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(b.x, b.y, sel));
+  f[2] = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(a.z, a.w, sel));
+  f[3] = dflash_e4m3x2_bits_to_bf16x2(__byte_perm(b.z, b.w, sel));
 }}
 """

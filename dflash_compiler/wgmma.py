@@ -32,6 +32,7 @@ FENCE_ASYNC_SHARED = "dflash_fence_async_shared"  # generic-proxy shared writes 
 REQUIRE_ALIGNED = "dflash_require_swizzle_aligned"  # traps unless a tile base is 1024-byte aligned
 _MMA = "dflash_wgmma_m64n{n}k16"
 _MMA_RS = "dflash_wgmma_rs_m64n{n}k16"
+_MMA_RK = "dflash_wgmma_rk_m64n{n}k16"
 _WAIT = "dflash_wgmma_wait_n{n}"
 SWIZZLE_BYTES = 128  # one row of a tile: 64 bf16
 ATOM_ALIGN = 1024  # a tile's base: 8 rows of 128 bytes
@@ -72,6 +73,13 @@ def mma_rs_name(n: int) -> str:
     return _MMA_RS.format(n=n)
 
 
+def mma_rk_name(n: int) -> str:
+    """The call `mma(d, a, b)`: d[0 .. n/2) += A (64 × 16, the thread's fragment in registers, as for
+    `mma_rs_name`) · B (n × 16 at shared pointer b, a K-major 128-byte-swizzled tile, as for `mma_name`)."""
+    _check_n(n)
+    return _MMA_RK.format(n=n)
+
+
 def wait_name(n: int) -> str:
     """The call `wait(d)`: waits for every committed wgmma group of the thread's warpgroup, then pins the
     accumulators d[0 .. n/2) so that no access to them moves above the wait."""
@@ -105,32 +113,49 @@ __device__ __forceinline__ void {wait_name(n)}(float* d) {{
 
 
 def mma_rs_function(n: int) -> str:
-    """CUDA source of `mma_rs_name(n)`."""
+    """CUDA source of `mma_rs_name(n)`: B read N-major (transposed), its 64-column blocks `lbo` bytes apart."""
+    return _register_a_function(
+        mma_rs_name(n), n, ", unsigned lbo",
+        "(unsigned long long)((address & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)\n"
+        f"      | ({ATOM_ALIGN >> 4}ull << 32) | (1ull << 62)", 1,
+    )  # fmt: skip
+
+
+def mma_rk_function(n: int) -> str:
+    """CUDA source of `mma_rk_name(n)`: B read K-major, as `mma_function`'s operands."""
+    return _register_a_function(mma_rk_name(n), n, "", "dflash_sw128_desc(b)", 0)
+
+
+def _register_a_function(name: str, n: int, extra: str, desc: str, transpose_b: int) -> str:
+    """A `wgmma.mma_async` with A from the thread's four fragment registers and B through descriptor `desc`
+    (a CUDA expression of b, of its shared address `address` and of the function's `extra` parameters)."""
+    address = "  unsigned address = (unsigned)__cvta_generic_to_shared(b);\n" if "address" in desc else ""
     regs = n // 2
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     dlist = ", ".join(f"%{i}" for i in range(regs))
     alist = ", ".join(f"%{regs + i}" for i in range(4))
+    # d, the A fragment, B's descriptor, scale-d (p), scale-a, scale-b, transpose-b
+    mma = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{dlist}}}, {{{alist}}}, %{regs + 4}, "
+    mma += f"p, 1, 1, {transpose_b}"
     return f"""\
-__device__ __forceinline__ void {mma_rs_name(n)}(float* d, const void* a, const void* b, unsigned lbo) {{
+__device__ __forceinline__ void {name}(float* d, const void* a, const void* b{extra}) {{
   const unsigned* f = (const unsigned*)a;
-  unsigned address = (unsigned)__cvta_generic_to_shared(b);
-  unsigned long long desc = (unsigned long long)((address & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
-      | ({ATOM_ALIGN >> 4}ull << 32) | (1ull << 62);
+{address}  unsigned long long desc = {desc};
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{dlist}}}, {{{alist}}}, %{regs + 4}, p, 1, 1, 1;\\n}}\\n"
+      "{mma};\\n}}\\n"
       : {outs}
       : "r"(f[0]), "r"(f[1]), "r"(f[2]), "r"(f[3]), "l"(desc), "r"(1));
 }}
 """
 
 
-_CALL = re.compile(r"\bdflash_wgmma_(m64n|wait_n|rs_m64n)(\d+)")
-_FUNCTIONS = {"m64n": mma_function, "wait_n": mma_function, "rs_m64n": mma_rs_function}
+_CALL = re.compile(r"\bdflash_wgmma_(m64n|wait_n|rs_m64n|rk_m64n)(\d+)")
+_FUNCTIONS = {"m64n": mma_function, "wait_n": mma_function, "rs_m64n": mma_rs_function, "rk_m64n": mma_rk_function}
 
 
 def needed_prelude(source: str) -> str:
-    """The `mma_function` and `mma_rs_function` definitions `source` calls, in N order ("" when it calls
-    none)."""
+    """The `mma_function`, `mma_rs_function` and `mma_rk_function` definitions `source` calls, in N order (""
+    when it calls none)."""
     wanted = {(_FUNCTIONS[kind], int(n)) for kind, n in _CALL.findall(source)}
     return "".join(make(n) for make, n in sorted(wanted, key=lambda item: (item[1], item[0].__name__)))

@@ -42,6 +42,8 @@ from .linear_mma import MMA_ROWS, WARP, MmaPlan, mma_gemv_func, x_ring_bytes
 from .linear_tiled import TILED_KNOBS, TiledPlan
 from .linear_wgmma import (
     CLUSTER_REDUCE,
+    CONVERT_REGISTERS,
+    CONVERT_TILE,
     KERNEL_REDUCE,
     PRODUCER_ROLES,
     PRODUCER_WARPS,
@@ -355,10 +357,12 @@ class LinearMmaRule(FamilyRule):
     `gemm_n_warps`, `gemm_m_warps`, `gemm_n_tiles`, `gemm_m_tiles`, `gemm_stages`, `gemm_k_splits`, `gemm_k_steps`
     and `gemm_k_warps` (TiledPlan); 0 takes `tiled_defaults`. `gemm_wgmma` 1 (the default on targets with wgmma)
     makes that GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
-    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups`, `wgmma_k_reduce` and `wgmma_roles` (WgmmaPlan; 0 takes
-    `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8, roles 2 copies on a
-    producer warpgroup); the other GEMM's knobs are refused. With the warpgroup GEMM, `mid_rows` > gemm_rows gives
-    the calls of gemm_rows + 1 to mid_rows rows a second one of x tiles that many rows tall, with knobs
+    `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups`, `wgmma_k_reduce`, `wgmma_roles` and `wgmma_convert`
+    (WgmmaPlan; 0 takes `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8,
+    roles 2 copies on a producer warpgroup, convert 2 turns e4m3 weights into the wgmmas' A fragments in
+    registers, for both warpgroup GEMMs, and bf16 weights report 1); the other GEMM's knobs are refused. With
+    the warpgroup GEMM, `mid_rows` > gemm_rows gives the calls of gemm_rows + 1 to mid_rows rows a second one of
+    x tiles that many rows tall, with knobs
     `mid_warpgroups`, `mid_stages`, `mid_k_splits` and `mid_mma_groups` (0 takes `mid_defaults`; MID_ROWS by
     default); 0 leaves them on the first. `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows rows on a
     tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x per block, that
@@ -444,8 +448,10 @@ class LinearMmaRule(FamilyRule):
                 "GEMM. Fix: mid_rows 0, or gemm_wgmma 1 and gemm_rows > 0 below it"
             )
         shape = {**mid_defaults(spec, target, rows), **given}
+        # the e4m3 conversion as the GEMM above mid_rows has it (wgmma_convert)
+        convert = knobs["wgmma_convert"] or CONVERT_TILE
         return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
-                                             "roles": SHARED_ROLES})  # fmt: skip
+                                             "roles": SHARED_ROLES, "convert": convert})  # fmt: skip
 
     def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | WgmmaPlan | None:
         """The GEMM kernel's plan where calls above gemm_rows rows go to one: the knobs given, the rest by
@@ -733,7 +739,7 @@ def wgmma_defaults(
                               "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
-    return {**best[1], "roles": SHARED_ROLES}
+    return {**best[1], "roles": SHARED_ROLES, "convert": CONVERT_TILE}
 
 
 def mid_defaults(spec: LinearSpec, target: Target, rows: int) -> dict[str, int]:
@@ -753,7 +759,8 @@ def mid_defaults(spec: LinearSpec, target: Target, rows: int) -> dict[str, int]:
 
 def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan:
     """The warpgroup GEMM's knobs checked against `spec` and the target (k_splits: the largest divisor of
-    the k atoms up to the knob; k_atoms: the largest power of two up to the knob dividing a split's atoms)."""
+    the k atoms up to the knob; k_atoms: the largest power of two up to the knob dividing a split's atoms;
+    convert: CONVERT_TILE for bf16 weights)."""
     rule = LinearMmaRule.name
     if not wgmma_fits(spec, target):
         raise ScheduleError(
@@ -783,6 +790,11 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             "every thread of the cluster, and the producer warpgroup has no accumulators. Fix: wgmma_k_reduce "
             f"{KERNEL_REDUCE}, or wgmma_roles {SHARED_ROLES}"
         )
+    if values["convert"] not in (CONVERT_TILE, CONVERT_REGISTERS):
+        raise ScheduleError(
+            f"{rule} knob wgmma_convert={values['convert']}: expected {CONVERT_TILE} (e4m3 weights converted into a "
+            f"shared bf16 tile) or {CONVERT_REGISTERS} (into the wgmmas' A fragments in registers)"
+        )
     if values["k_reduce"] not in (KERNEL_REDUCE, CLUSTER_REDUCE):
         raise ScheduleError(
             f"{rule} knob wgmma_k_reduce={values['k_reduce']}: expected {KERNEL_REDUCE} (the k splits' partial sums "
@@ -803,7 +815,10 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
     splits = _largest_divisor(atoms, min(values["k_splits"], MAX_PORTABLE) if cluster else values["k_splits"])
     per_slot = max(p for p in (1, 2, 4, 8) if p <= values["k_atoms"] and (atoms // splits) % p == 0)
     reduce = values["k_reduce"] if splits > 1 else KERNEL_REDUCE
-    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot, "k_reduce": reduce},
+    # bf16 weights have nothing to convert: they report CONVERT_TILE whatever the knob (one rule's knobs serve
+    # the bf16 and e4m3 linears of a mixed-precision build alike)
+    convert = values["convert"] if spec.fp8 else CONVERT_TILE
+    plan = WgmmaPlan(**{**values, "k_splits": splits, "k_atoms": per_slot, "k_reduce": reduce, "convert": convert},
                      weight_bytes=ITEM_BYTES[spec.weight_dtype])  # fmt: skip
     limit = target.max_shared_memory_per_block
     if plan.reduce_bytes() > limit:

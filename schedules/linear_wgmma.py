@@ -19,10 +19,17 @@ slot they read is `lead` slots behind the copies, and every thread has waited fo
 after next. Weight rows past n read row n - 1 and rows of x past m are zero-filled
 (ignore-src); neither is stored.
 
-e4m3 weights (FP8) are copied as they are, 64 bytes a row per atom, and after the slot's barrier each thread
-converts the chunks it copied into a bf16 tile of the swizzled layout (four values per call of
-fp8_convert.py's integer conversion, exact); a second fence and barrier then let the wgmmas read it. The
-per-row scale is applied where the accumulators are stored (or by the k-split merge).
+e4m3 weights (FP8) are copied as they are, 64 bytes a row per atom, and converted to bf16 where `convert`
+says. CONVERT_TILE: after the slot's barrier each thread converts the chunks it copied into a bf16 tile of
+the swizzled layout (four values per call of fp8_convert.py's integer conversion, exact); a second fence
+and barrier then let the wgmmas read it. CONVERT_REGISTERS: each thread loads the e4m3 bytes of its own A
+fragments (its warp's 16 of the warpgroup's 64 rows) from the slot and converts them into registers, and the
+wgmmas take A from there (`mma_rk_name`) and only x from shared memory: no bf16 tile is written or read, and
+no second fence or barrier. Its fragments of a slot are one 16-byte load per row and k16 step, so the raw
+rows are stored with their four 16-byte chunks swizzled by row (`raw_chunk`): the eight rows a load
+instruction reads then fall on eight distinct 16-byte bank groups. With two groups in flight the k loop is
+unrolled by two, so that a slot's fragments have registers of their own while the slot before's wgmmas still
+read theirs. The per-row scale is applied where the accumulators are stored (or by the k-split merge).
 
 With `roles` 2 (PRODUCER_ROLES) the copies leave the multiplying warpgroups: one more warpgroup (the
 producer) copies every slot, and each slot has a "full" and a "free" mbarrier (dflash_compiler/mbarrier.py)
@@ -55,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.cluster import ADD4, DIMS, SYNC
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
-from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
+from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
 from dflash_compiler.mbarrier import ARRIVE, BARRIER_BYTES, INIT, NAMED_SYNC, WAIT_PARITY
 from dflash_compiler.wgmma import (
     COMMIT,
@@ -65,6 +72,7 @@ from dflash_compiler.wgmma import (
     SWIZZLE_BYTES,
     WAIT_PRIOR,
     mma_name,
+    mma_rk_name,
     wait_name,
 )
 
@@ -80,11 +88,15 @@ WARPGROUP = 4 * WARP
 ATOM_K = SWIZZLE_BYTES // 2  # bf16 per swizzled row
 WGMMA_K = 16
 # the plan's knob fields (LinearMmaRule takes them as wgmma_<name>)
-WGMMA_KNOBS = ("warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups", "k_reduce", "roles")
+WGMMA_KNOBS = (
+    "warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups", "k_reduce", "roles", "convert",
+)  # fmt: skip
 # how the k splits of a tile add up (k_reduce): a workspace and a merge kernel, or within a thread block cluster
 KERNEL_REDUCE, CLUSTER_REDUCE = 1, 2
 # who copies (roles): every warp copies and multiplies, or one more warp copies for the multiplying warpgroups
 SHARED_ROLES, PRODUCER_ROLES = 1, 2
+# where e4m3 weights become bf16 (convert): a shared-memory tile the wgmmas read, or their A fragments in registers
+CONVERT_TILE, CONVERT_REGISTERS = 1, 2
 PRODUCER_WARPS = 4  # one warp alone issued the copies too slowly (H200, bf16 step at nb = 16: 3.108 against 2.338 ms)
 CLUSTER_PAD = 4  # floats past each row of the cluster's f32 tile: rows stay 16-byte aligned, banks shift
 
@@ -102,6 +114,7 @@ class WgmmaPlan:
     weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
     k_reduce: int = KERNEL_REDUCE  # KERNEL_REDUCE or CLUSTER_REDUCE (module docstring)
     roles: int = SHARED_ROLES  # SHARED_ROLES or PRODUCER_ROLES (module docstring)
+    convert: int = CONVERT_TILE  # CONVERT_TILE or CONVERT_REGISTERS (e4m3 weights only; module docstring)
 
     # the store's view of a warp (linear_tiled.store_macro): one 16-row weight tile by block_m / 8 x tiles
     n_tiles = 1
@@ -142,6 +155,11 @@ class WgmmaPlan:
     def fp8(self) -> bool:
         return self.weight_bytes == 1
 
+    @property
+    def registers(self) -> bool:
+        """e4m3 weights converted into the wgmmas' A fragments in registers, not into a shared bf16 tile."""
+        return self.fp8 and self.convert == CONVERT_REGISTERS
+
     def stage_bytes(self) -> int:
         """One slot: the weight rows' k atoms as stored (64 bytes a row per e4m3 atom), x's as bf16."""
         return self.k_atoms * (self.block_n * ATOM_K * self.weight_bytes + self.block_m * SWIZZLE_BYTES)
@@ -152,8 +170,9 @@ class WgmmaPlan:
         return self.stages - self.mma_groups
 
     def converted_bytes(self) -> int:
-        """FP8: the bf16 tiles of a slot's weight that the wgmmas read, one per group in flight (none for bf16)."""
-        return self.mma_groups * self.k_atoms * self.block_n * SWIZZLE_BYTES if self.fp8 else 0
+        """FP8: the bf16 tiles of a slot's weight that the wgmmas read, one per group in flight (none for bf16,
+        or converted into registers)."""
+        return self.mma_groups * self.k_atoms * self.block_n * SWIZZLE_BYTES if self.fp8 and not self.registers else 0
 
     @property
     def cluster(self) -> bool:
@@ -176,6 +195,13 @@ class WgmmaPlan:
         return {name: getattr(self, name) for name in WGMMA_KNOBS}
 
 
+def raw_chunk(chunk: Any, row: Any) -> Any:
+    """CONVERT_REGISTERS: where 16-byte chunk `chunk` (0-3) of a raw e4m3 row's atom sits in the row's 64
+    bytes: xor'd with bits 1-2 of the row. A fragment load reads one chunk of rows g = 0..7 (then 8..15) of a
+    16-row tile, at bytes 64·g + 16·position: eight distinct 16-byte bank groups of 128 bytes."""
+    return chunk ^ (row // 2 % 4)
+
+
 def _slot_macros(spec: LinearSpec, plan: WgmmaPlan, threads: int, converters: int, rows: int) -> tuple[Any, Any, Any]:
     """`(load_w_stage, load_x_stage, convert)`: TVMScript macros by which `threads` threads (tid 0 ..
     threads - 1) copy a slot's weight rows and x rows, and (FP8) `converters` threads convert `rows` weight
@@ -193,8 +219,11 @@ def _slot_macros(spec: LinearSpec, plan: WgmmaPlan, threads: int, converters: in
 
     def w_column(c: Any, row: Any) -> Any:
         # where a weight chunk lands in its row: bf16 chunks straight into the swizzled tile, e4m3 ones
-        # unswizzled (the conversion writes the swizzled bf16 tile)
-        return c % w_row_chunks * 16 if fp8 else T.bitwise_xor(c % 8, row % 8) * 8
+        # unswizzled where the conversion writes the swizzled bf16 tile, by raw_chunk where the fragment loads
+        # read them
+        if not fp8:
+            return T.bitwise_xor(c % 8, row % 8) * 8
+        return raw_chunk(c % w_row_chunks, row) * 16 if plan.registers else c % w_row_chunks * 16
 
     @T.macro
     def load_w_stage(w, ws, bn, ks, tid, slot, step):
@@ -265,6 +294,14 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     w_elems = stages * k_atoms * bn_rows * ATOM_K * plan.weight_bytes // 2  # the weight slots, in bf16 units
     x_elems = stages * k_atoms * bm_rows * ATOM_K
     mma, wait = mma_name(bm_rows), wait_name(bm_rows)
+    registers, kks = plan.registers, ATOM_K // WGMMA_K
+    mma_rk = mma_rk_name(bm_rows)
+    frag_elems = groups * k_atoms * kks * 8  # CONVERT_REGISTERS: a thread's A fragments, per group in flight
+    # slots per k-loop iteration: two where fragment set u of a pair fills while the other set's wgmmas run on
+    # (step u a Python constant: with a loop variable TVM would fold the two sets onto one, as each is written
+    # and read within its step, not seeing that the wgmmas read them on after it)
+    unroll = groups if registers else 1
+    pairs = -(-per_split // unroll)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
     picks = spec.picks
@@ -290,16 +327,34 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     bar_elems = w_elems + x_elems + plan.converted_bytes() // 2
 
     @T.macro
-    def multiply(acc, ws, wc, xs, wg, kt):
+    def fragments(ws, af, slot, row, quad, u):
+        # CONVERT_REGISTERS: the thread's A fragments of the slot (rows `row` and row + 8 of its warp's 16),
+        # into fragment set u, one 16-byte load per row and k16 step (fp8_convert.py)
+        for atom in T.unroll(k_atoms):
+            for kk in T.unroll(kks):
+                col = T.meta_var(raw_chunk(kk, row) * 16)
+                T.evaluate(T.call_extern(
+                    "void", E4M3_A_FRAGMENT, T.address_of(af[((u * k_atoms + atom) * kks + kk) * 8]),
+                    T.address_of(ws[slot, atom, row, col]), T.address_of(ws[slot, atom, row + 8, col]), quad,
+                ))  # fmt: skip
+
+    @T.macro
+    def multiply(acc, ws, wc, af, xs, wg, kt, u):
         T.evaluate(T.call_extern("void", FENCE))
         for atom in T.unroll(k_atoms):
-            for kk in T.unroll(ATOM_K // WGMMA_K):
-                T.evaluate(T.call_extern(
-                    "void", mma, T.address_of(acc[0]),
-                    T.address_of(wc[kt % groups, atom, wg * 64, kk * WGMMA_K]) if fp8 else
-                    T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
-                    T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
-                ))  # fmt: skip
+            for kk in T.unroll(kks):
+                if registers:
+                    T.evaluate(T.call_extern(
+                        "void", mma_rk, T.address_of(acc[0]), T.address_of(af[((u * k_atoms + atom) * kks + kk) * 8]),
+                        T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
+                    ))  # fmt: skip
+                else:
+                    T.evaluate(T.call_extern(
+                        "void", mma, T.address_of(acc[0]),
+                        T.address_of(wc[kt % groups, atom, wg * 64, kk * WGMMA_K]) if fp8 else
+                        T.address_of(ws[kt % stages, atom, wg * 64, kk * WGMMA_K]),
+                        T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
+                    ))  # fmt: skip
         T.evaluate(T.call_extern("void", COMMIT))
 
     @T.macro
@@ -313,28 +368,36 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
             load_x_stage(x, m, xs, bm, ks, tid, s, s)
 
     @T.macro
-    def shared_loop(x, w, m, acc, ws, wc, xs, bm, bn, ks, tid, wg):
+    def shared_step(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad, kt, u):
+        T.evaluate(T.ptx["cp.async.wait_group"](lead - 1))
+        T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+        # everyone's copies of slot kt landed, and every wgmma that read the slot
+        # (and FP8 tile) overwritten next has completed (each thread waited)
+        T.tvm_storage_sync("shared")
+        load_w_stage(w, ws, bn, ks, tid, (kt + lead) % stages, kt + lead)
+        load_x_stage(x, m, xs, bm, ks, tid, (kt + lead) % stages, kt + lead)
+        if kt == max(per_split - 1 - lead, 0):  # the last weight copies are out
+            T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
+        if registers:
+            fragments(ws, af, kt % stages, row, quad, u)
+        elif fp8:
+            convert(ws, wc, tid, kt % stages, kt % groups, 0)
+            T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+            T.tvm_storage_sync("shared")
+        multiply(acc, ws, wc, af, xs, wg, kt, u)
+        if groups == 1:
+            T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+        else:  # the slot before's group has completed; this one runs on
+            T.evaluate(T.call_extern("void", WAIT_PRIOR))
+
+    @T.macro
+    def shared_loop(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad):
         # every warp copies its share of each slot and multiplies; a block barrier per slot
         first_slots(x, w, m, ws, xs, bm, bn, ks, tid, lead)
-        for kt in range(per_split):
-            T.evaluate(T.ptx["cp.async.wait_group"](lead - 1))
-            T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
-            # everyone's copies of slot kt landed, and every wgmma that read the slot
-            # (and FP8 tile) overwritten next has completed (each thread waited)
-            T.tvm_storage_sync("shared")
-            load_w_stage(w, ws, bn, ks, tid, (kt + lead) % stages, kt + lead)
-            load_x_stage(x, m, xs, bm, ks, tid, (kt + lead) % stages, kt + lead)
-            if kt == max(per_split - 1 - lead, 0):  # the last weight copies are out
-                T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
-            if fp8:
-                convert(ws, wc, tid, kt % stages, kt % groups, 0)
-                T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
-                T.tvm_storage_sync("shared")
-            multiply(acc, ws, wc, xs, wg, kt)
-            if groups == 1:
-                T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
-            else:  # the slot before's group has completed; this one runs on
-                T.evaluate(T.call_extern("void", WAIT_PRIOR))
+        for kt in range(pairs):
+            shared_step(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad, kt * unroll, 0)
+            if unroll == 2 and (per_split % 2 == 0 or kt * 2 + 1 < per_split):
+                shared_step(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad, kt * 2 + 1, 1)
         if groups > 1:
             T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
 
@@ -362,26 +425,34 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                 T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
 
     @T.macro
-    def consume(acc, ws, wc, xs, bars, tid, wg):
+    def consume_step(acc, ws, wc, af, xs, bars, tid, wg, row, quad, kt, u):
         # a multiplying warpgroup: wait for slot kt to be full, multiply, free it once its wgmmas completed
-        for kt in range(per_split):
-            T.evaluate(T.call_extern("void", WAIT_PARITY, T.address_of(bars[0, kt % stages]), kt // stages % 2))
-            if fp8:  # the warpgroup converts its own 64 weight rows into its part of the bf16 tile
-                # a thread's wait covers its own warp's part of the wgmmas: all four must be past the last
-                # reads of the tile before any of them overwrites it
-                T.evaluate(T.call_extern("void", NAMED_SYNC, 2 + wg, WARPGROUP))
-                convert(ws, wc, tid % WARPGROUP, kt % stages, kt % groups, wg * 64)
-                T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
-                T.evaluate(T.call_extern("void", NAMED_SYNC, 2 + wg, WARPGROUP))
-            multiply(acc, ws, wc, xs, wg, kt)
-            # the slot's x rows are read by its wgmmas (and its bf16 weight rows): free once they completed
-            if groups == 1:
-                T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
-                T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[1, kt % stages])))
-            else:  # the slot before's group has completed; this one runs on
-                T.evaluate(T.call_extern("void", WAIT_PRIOR))
-                if kt > 0:
-                    T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[1, (kt - 1) % stages])))
+        T.evaluate(T.call_extern("void", WAIT_PARITY, T.address_of(bars[0, kt % stages]), kt // stages % 2))
+        if registers:  # each thread its own fragments; the slot is freed after the wgmmas, as for x
+            fragments(ws, af, kt % stages, row, quad, u)
+        elif fp8:  # the warpgroup converts its own 64 weight rows into its part of the bf16 tile
+            # a thread's wait covers its own warp's part of the wgmmas: all four must be past the last
+            # reads of the tile before any of them overwrites it
+            T.evaluate(T.call_extern("void", NAMED_SYNC, 2 + wg, WARPGROUP))
+            convert(ws, wc, tid % WARPGROUP, kt % stages, kt % groups, wg * 64)
+            T.evaluate(T.call_extern("void", FENCE_ASYNC_SHARED))
+            T.evaluate(T.call_extern("void", NAMED_SYNC, 2 + wg, WARPGROUP))
+        multiply(acc, ws, wc, af, xs, wg, kt, u)
+        # the slot's x rows are read by its wgmmas (and its bf16 weight rows): free once they completed
+        if groups == 1:
+            T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
+            T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[1, kt % stages])))
+        else:  # the slot before's group has completed; this one runs on
+            T.evaluate(T.call_extern("void", WAIT_PRIOR))
+            if kt > 0:
+                T.evaluate(T.call_extern("void", ARRIVE, T.address_of(bars[1, (kt - 1) % stages])))
+
+    @T.macro
+    def consume(acc, ws, wc, af, xs, bars, tid, wg, row, quad):
+        for kt in range(pairs):
+            consume_step(acc, ws, wc, af, xs, bars, tid, wg, row, quad, kt * unroll, 0)
+            if unroll == 2 and (per_split % 2 == 0 or kt * 2 + 1 < per_split):
+                consume_step(acc, ws, wc, af, xs, bars, tid, wg, row, quad, kt * 2 + 1, 1)
         if groups > 1:
             T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
 
@@ -408,8 +479,10 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                 bars = T.decl_buffer((2, stages), "uint64", data=smem.data,
                                                      elem_offset=bar_elems // 4, scope="shared.dyn")  # fmt: skip
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                                af = T.sblock_alloc_buffer((frag_elems,), "bfloat16", scope="local")
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
+                                row = T.meta_var(ty * 16 + tx // 4)  # of the thread's A fragments (registers)
                                 T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(smem[0])))
                                 if cluster:  # a tile's k splits are one cluster (dflash_compiler.cluster)
                                     T.evaluate(T.call_extern("void", DIMS, 1, 1, k_splits))
@@ -426,9 +499,9 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                     if ty >= plan.n_warps:
                                         produce(x, w, m, ws, xs, bars, bm, bn, ks, tid - plan.threads)
                                     else:
-                                        consume(acc, ws, wc, xs, bars, tid, wg)
+                                        consume(acc, ws, wc, af, xs, bars, tid, wg, row, tx % 4)
                                 else:
-                                    shared_loop(x, w, m, acc, ws, wc, xs, bm, bn, ks, tid, wg)
+                                    shared_loop(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, tx % 4)
                                 if cluster:
                                     cluster_store(scale, y, m, acc, smem, bm, bn, ks, ty, tx, tid)
                                 elif picks and producer:  # the producer meets the pick's block barriers only

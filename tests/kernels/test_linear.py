@@ -43,6 +43,10 @@ from dflash_compiler.wgmma import (
     WAIT_PRIOR,
     mma_function,
     mma_name,
+    mma_rk_function,
+    mma_rk_name,
+    mma_rs_function,
+    mma_rs_name,
     needed_prelude,
     wait_name,
 )
@@ -704,6 +708,7 @@ def test_wgmma_plan_fits_the_k_atoms():
         "mma_groups": 1,
         "k_reduce": 1,
         "roles": 1,
+        "convert": 1,
     }
     assert fit_wgmma_plan(spec, SM90, knobs) == WgmmaPlan(1, 64, 2, 2, 3)  # 3 splits of 2 atoms, one slot each
     assert fit_wgmma_plan(spec, SM90, {**knobs, "k_splits": 1}).k_atoms == 2  # 6 atoms: 2 divides, 4 does not
@@ -719,8 +724,16 @@ def test_wgmma_calls_are_defined_per_n():
         mma_function(64) + mma_function(128)
     )
     assert needed_prelude("mma_sync(a)") == ""
+    # the register-A forms: B N-major (transposed, its 64-column blocks lbo apart) or K-major as mma_name's
+    both = needed_prelude(f"{mma_rs_name(64)}(a, b, c, 8192); {mma_rk_name(128)}(a, b, c);")
+    assert both == mma_rs_function(64) + mma_rk_function(128)
+    assert mma_rs_function(64).count(", p, 1, 1, 1;") == mma_rk_function(128).count(", p, 1, 1, 0;") == 1
+    assert "unsigned lbo" in mma_rs_function(64) and "dflash_sw128_desc(b)" in mma_rk_function(128)
+    assert "{%64, %65, %66, %67}, %68" in mma_rk_function(128)  # four fragment registers, then B's descriptor
     with pytest.raises(ValueError, match="multiple of 8"):
         mma_name(12)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        mma_rk_name(260)
 
 
 @pytest.mark.parametrize("target", [SM90, SM121], ids=lambda t: t.name)

@@ -32,6 +32,7 @@ KNOBS = {
     "mma_groups": 1,
     "k_reduce": 2,
     "roles": 1,
+    "convert": 1,
 }
 
 

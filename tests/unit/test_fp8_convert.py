@@ -8,7 +8,7 @@ import re
 import ml_dtypes
 import numpy as np
 
-from dflash_compiler.fp8_convert import E4M3X4_TO_BF16, PRELUDE
+from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16, PRELUDE
 
 
 def _constants() -> dict[str, int]:
@@ -76,3 +76,45 @@ def test_nan_comes_out_as_the_documented_480():
     words = np.array([0x7F, 0xFF, 0x00, 0x80], dtype=np.uint8).view(np.uint32)
     got = _convert(words, _constants())
     np.testing.assert_array_equal(got[0], [480.0, -480.0, 0.0, -0.0])
+
+
+def _a_fragment_lines() -> tuple[int, int, list[tuple[int, str, str, str]]]:
+    """The fragment helper's selector (quad · a + b) and its four `f[i] = convert(__byte_perm(R.x, R.y, sel))`
+    lines as (i, row, low word, high word)."""
+    body = PRELUDE[PRELUDE.index(f"void {E4M3_A_FRAGMENT}(") :]
+    sel = re.search(r"unsigned sel = quad \* (0x[0-9a-f]+)u \+ (0x[0-9a-f]+)u;", body)
+    lines = re.findall(r"f\[(\d)\] = dflash_e4m3x2_bits_to_bf16x2\(__byte_perm\((\w)\.(\w), \w\.(\w), sel\)\);", body)
+    assert sel and len(lines) == 4, "the fragment helper's CUDA text changed shape; update this test"
+    return int(sel.group(1), 16), int(sel.group(2), 16), [(int(i), r, lo, hi) for i, r, lo, hi in lines]
+
+
+def _byte_perm2(x: np.ndarray, y: np.ndarray, selector: int) -> np.ndarray:
+    """CUDA's __byte_perm(x, y, selector): result byte i is byte (selector >> 4i) & 7 of the pair (x, y)."""
+    out = np.zeros_like(x)
+    for i in range(4):
+        sel = (selector >> (4 * i)) & 7
+        word = x if sel < 4 else y
+        out |= ((word >> np.uint32(8 * (sel % 4))) & np.uint32(0xFF)) << np.uint32(8 * i)
+    return out
+
+
+def test_the_a_fragment_holds_mma_sync_s_layout():
+    """Thread t of a quad gets, from the 16 e4m3 of rows g and g + 8 at one k16 step, the m16n8k16 A fragment
+    (PTX ISA): pair 0 row g at k 2t, 2t + 1; pair 1 row g + 8 there; pairs 2 and 3 the same at k 2t + 8, 2t + 9."""
+    scale, base, lines = _a_fragment_lines()
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (2, 64, 16), dtype=np.uint8)  # rows g and g + 8, many cases, k 0..15
+    codes[codes & 0x7F == 0x7F] = 0  # no NaN
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    words = {r: dict(zip("xyzw", codes[h].copy().view(np.uint32).T, strict=True)) for h, r in enumerate("ab")}
+    c = _constants()
+    for quad in range(4):
+        got = np.zeros((4, 64, 2), np.float32)
+        for i, row, lo, hi in lines:
+            t = _byte_perm2(words[row][lo], words[row][hi], quad * scale + base)
+            r = (t & np.uint32(c["sign"])) | ((t >> np.uint32(4)) & np.uint32(c["body"]))
+            got[i] = _bf16_pairs(r) * _bf16_pairs(np.full_like(r, c["scale"])) + _bf16_pairs(
+                np.full_like(r, c["addend"])
+            )
+        for pair, (h, k0) in enumerate(((0, 2 * quad), (1, 2 * quad), (0, 2 * quad + 8), (1, 2 * quad + 8))):
+            np.testing.assert_array_equal(got[pair], values[h, :, k0 : k0 + 2], err_msg=f"quad {quad} pair {pair}")
