@@ -13,9 +13,18 @@ import numpy as np
 import pytest
 
 from dflash_compiler.schedules.attention import BlockAttentionSpec
-from dflash_compiler.schedules.base import KernelSpec
+from dflash_compiler.schedules.base import Kernel, KernelSpec
 from dflash_compiler.schedules.check import mismatches
-from dflash_compiler.schedules.linear import FP8, LinearArgmaxRule, LinearSiluRule, LinearSpec
+from dflash_compiler.schedules.linear import (
+    FP8,
+    LinearArgmaxRule,
+    LinearMmaRule,
+    LinearSiluRule,
+    LinearSpec,
+    fit_wgmma_plan,
+)
+from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS, WgmmaPlan
+from dflash_compiler.targets import SM90
 
 # block-attention shapes the tensor-core attention tests (mma.sync and warpgroup) share
 QWEN3_8B = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, causal=False)
@@ -65,6 +74,15 @@ def assert_spec_matches_numpy(spec: KernelSpec, sizes: Mapping[str, int], seed: 
     problems = mismatches(spec, got, ref, arrays)
     assert not problems, "\n".join(problems)
     return got
+
+
+def wgmma_kernel(spec: LinearSpec, plan: WgmmaPlan) -> Kernel:
+    """`spec` under LinearMmaRule with the warpgroup GEMM of `plan` taking every call above gemm_rows rows (no
+    64-row GEMM below mid_rows) on sm_90; the kernel's reported knobs give `plan` back."""
+    knobs = {f"wgmma_{name}": getattr(plan, name) for name in WGMMA_KNOBS}
+    kernel = LinearMmaRule().apply(spec, SM90, {**knobs, "mid_rows": 0})
+    assert fit_wgmma_plan(spec, SM90, {name: kernel.knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS}) == plan
+    return kernel
 
 
 def kernel_body(source: str, name: str) -> str:

@@ -17,12 +17,11 @@ from dflash_compiler.dependent_launch import WAIT, kernel_bodies
 from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
 from dflash_compiler.mbarrier import NAMED_SYNC, WAIT_PARITY
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import FP8, LinearMmaRule, LinearSpec, fit_wgmma_plan
+from dflash_compiler.schedules.linear import FP8, LinearMmaRule, LinearSpec
 from dflash_compiler.schedules.linear_wgmma import (
     CLUSTER_REDUCE,
     CONVERT_REGISTERS,
     CONVERT_TILE,
-    WGMMA_KNOBS,
     WgmmaPlan,
     raw_chunk,
 )
@@ -31,14 +30,10 @@ from dflash_compiler.wgmma import COMMIT, FENCE, mma_name, mma_rk_name
 
 tvm = pytest.importorskip("tvm")
 
-from kernel_harness import FUSED_EPILOGUES, assert_only_weights_before_the_wait  # noqa: E402 - TVM
+from kernel_harness import FUSED_EPILOGUES, assert_only_weights_before_the_wait, wgmma_kernel  # noqa: E402
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 from dflash_compiler.nvrtc import compile_cubin  # noqa: E402 - after the TVM skip, as the other kernel tests
-
-
-def _knobs(plan: WgmmaPlan) -> dict[str, int]:
-    return {**{f"wgmma_{name}": getattr(plan, name) for name in WGMMA_KNOBS}, "mid_rows": 0}
 
 
 def _local_bytes(cubin: bytes, kernel: str, tmp_path) -> tuple[int, int]:
@@ -116,8 +111,7 @@ CASES = [
 
 @pytest.mark.parametrize(("spec", "plan"), CASES, ids=[spec.name for spec, _ in CASES])
 def test_each_thread_converts_its_own_fragments_and_the_wgmmas_read_them_from_registers(spec, plan, tmp_path):
-    kernel = LinearMmaRule().apply(spec, SM90, _knobs(plan))
-    assert fit_wgmma_plan(spec, SM90, {name: kernel.knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS}) == plan
+    kernel = wgmma_kernel(spec, plan)
     assert plan.registers
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
     gemm = cuda.functions[kernel.name].kernels[1]
@@ -163,7 +157,7 @@ def test_the_tile_conversion_keeps_two_barriers_per_slot():
     """The default FP8 GEMM converts into a shared tile: its k loop meets a second block barrier per slot, which
     the registers variant drops (the other test counts one)."""
     spec, plan = CASES[1]
-    kernel = LinearMmaRule().apply(spec, SM90, _knobs(WgmmaPlan(**{**vars(plan), "convert": CONVERT_TILE})))
+    kernel = wgmma_kernel(spec, WgmmaPlan(**{**vars(plan), "convert": CONVERT_TILE}))
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
     body = cuda.source[slice(*kernel_bodies(cuda.source)[cuda.functions[kernel.name].kernels[1].name])]
     loop = body[body.index("for (int kt = 0;") :]

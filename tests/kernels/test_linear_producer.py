@@ -19,23 +19,17 @@ from dflash_compiler.schedules.linear import (
     FP8,
     LinearMmaRule,
     LinearSpec,
-    fit_wgmma_plan,
 )
-from dflash_compiler.schedules.linear_wgmma import PRODUCER_ROLES, SHARED_ROLES, WGMMA_KNOBS, WgmmaPlan
+from dflash_compiler.schedules.linear_wgmma import PRODUCER_ROLES, SHARED_ROLES, WgmmaPlan
 from dflash_compiler.targets import SM90
 from dflash_compiler.wgmma import FENCE as WGMMA_FENCE
 from dflash_compiler.wgmma import FENCE_ASYNC_SHARED, WAIT_PRIOR, mma_name, wait_name
 
 tvm = pytest.importorskip("tvm")
 
-from kernel_harness import FUSED_EPILOGUES, assert_only_weights_before_the_wait  # noqa: E402 - TVM
+from kernel_harness import FUSED_EPILOGUES, assert_only_weights_before_the_wait, wgmma_kernel  # noqa: E402
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
-
-
-def _knobs(plan: WgmmaPlan) -> dict[str, int]:
-    # every call above gemm_rows on this GEMM (no 64-row one below mid_rows)
-    return {**{f"wgmma_{name}": getattr(plan, name) for name in WGMMA_KNOBS}, "mid_rows": 0}
 
 
 def test_the_plan_counts_the_producer_warp_and_the_barriers():
@@ -75,8 +69,7 @@ CASES = [
 
 @pytest.mark.parametrize(("spec", "plan"), CASES, ids=[spec.name for spec, _ in CASES])
 def test_a_producer_warp_fills_the_slots_and_the_warpgroups_wait_for_them(spec, plan):
-    kernel = LinearMmaRule().apply(spec, SM90, _knobs(plan))
-    assert fit_wgmma_plan(spec, SM90, {name: kernel.knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS}) == plan
+    kernel = wgmma_kernel(spec, plan)
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
     gemm = cuda.functions[kernel.name].kernels[1]
     assert gemm.block == ("32", str(plan.n_warps + 4), "1")
