@@ -32,7 +32,11 @@ of the slot the next copies refill (the group before's wgmmas, waited for). Keys
 its last key and score -inf, as do keys a mask hides. The splits, their spans and the partial results are
 the mma kernel's (`attention_prim_func`), so `attention_merge.py`'s merge kernel serves both. Before the wait
 for inputs the first `prefetch` groups' cached K/V lines are prefetched into L2, from the host-written
-lengths and tables.
+lengths and tables. With knob `early` the span, its length and the first group's page-table entries are
+located before that wait too and kept in registers (the host writes them; no kernel of the step does), and
+after it Q goes to shared memory by `cp.async` beside the first group's copies: the first K/V copies then
+leave right after the wait, not behind the length, span, Q and table loads that each waited for the one
+before (rows of Q in registers first, then in shared memory, block the copies after them).
 
 With knob `cluster` (a power of two up to 16) a batch whose span count is 2, 4, .. `cluster` launches
 instead one kernel whose spans of a (sequence, kv head) are one thread block cluster: each block leaves its
@@ -96,6 +100,7 @@ class WgmmaAttentionPlan:
     prefetch: int = 0  # groups whose cached K/V lines are prefetched into L2 before the wait for inputs
     stages: int = DEFAULT_STAGES  # ring slots of one group's K and V; stages - 1 groups' copies fly ahead
     cluster: int = 0  # > 0: span counts 2, 4, .. cluster run as one cluster that merges itself
+    early: int = 0  # 1: span, length and first table entries located before the wait, Q by cp.async after it
 
     @property
     def cluster_counts(self) -> tuple[int, ...]:
@@ -132,6 +137,7 @@ def fit_wgmma_attention(
     prefetch: int = 0,
     stages: int = DEFAULT_STAGES,
     cluster: int = 0,
+    early: int = 0,
 ) -> WgmmaAttentionPlan:
     """The plan for `spec` (which `wgmma_attention_fits` `target`) with these knobs, checked."""
     if not 1 <= splits <= 256:
@@ -148,8 +154,13 @@ def fit_wgmma_attention(
             f"{AttentionWgmmaRule.name} knob cluster={cluster}: expected 0 (a merge kernel) or a power of two from 2 "
             f"to min(splits={splits}, {MAX_CLUSTER}), the largest cluster of spans that merges itself"
         )
+    if early not in (0, 1):
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob early={early}: expected 0 (everything located after the wait for "
+            "inputs) or 1 (the span and the first table entries before it, Q copied by cp.async after it)"
+        )
     # the cluster merge's tile always fits: 64 · (head_dim + 8) floats against (1 + 2 · stages) · 64 · head_dim bf16
-    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster)
+    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster, early)
     if stages < 2:
         raise ScheduleError(
             f"{AttentionWgmmaRule.name} knob stages={stages}: expected 2 or more ring slots (one group multiplied "
@@ -232,6 +243,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                 copy16(sm[dst], k[s * blk + key - n, g * dim + d0])
                 copy16(sm[dst + atoms * TILE], v[s * blk + key - n, g * dim + d0])
 
+    early = bool(plan.early)
+
     def split_macro(cluster: int) -> Any:
         # cluster 0: the split kernel, partial results to the workspaces; else the kernel of `cluster` spans
         # launched as one cluster, merging them itself into `out`
@@ -260,6 +273,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                     l_run = T.sblock_alloc_buffer((2,), "float32", scope="local")
                                     stat = T.sblock_alloc_buffer((4,), "float32", scope="local")
                                     q_at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                                    length = T.sblock_alloc_buffer((1,), "int32", scope="local")  # early
 
                                     tid = T.meta_var(ty * WARP + lane)
                                     gq = T.meta_var(lane // 4)
@@ -270,30 +284,46 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                     T.evaluate(T.call_extern("void", REQUIRE_ALIGNED, T.address_of(sm[0])))
                                     if cluster > 0:  # the spans of a (sequence, kv head) are one cluster along x
                                         T.evaluate(T.call_extern("void", DIMS, cluster, 1, 1))
+                                    if early:
+                                        # the step's lengths, positions and block tables are the host's (no
+                                        # kernel of the step writes them): the span and the first group's table
+                                        # entries are located once, here, and kept
+                                        length[0] = cache_lens[s]
+                                        locate(span, s, length[0], p, blk_positions, nb)
                                     if plan.prefetch > 0:
                                         # before the wait, the step's lengths and block tables (the host writes
                                         # them, no kernel of the step does) locate the first groups' cached K/V;
                                         # only prefetches use them, everything is read again after the wait
-                                        n_early: T.let[T.int32] = cache_lens[s]
-                                        locate(span, s, n_early, p, blk_positions, nb)
+                                        n_early: T.let[T.int32] = length[0] if early else cache_lens[s]
+                                        if not early:
+                                            locate(span, s, n_early, p, blk_positions, nb)
                                         for j in T.unroll(plan.prefetch):
                                             if j < groups:
                                                 read_table(pt, block_table, s, n_early, start + j * KEYS, end, tid)
                                                 prefetch_group(pt, kv, g, n_early, start + j * KEYS, end, tid)
+                                    if early and groups > 0:
+                                        read_table(pt, block_table, s, length[0], start, end, tid)
                                     # waits first (dependent_launch.py); the split kernel never triggers, as the
                                     # mma kernel, and a cluster kernel only once its keys are done
                                     T.evaluate(T.call_extern("void", WAIT))
-                                    n: T.let[T.int32] = cache_lens[s]
-                                    locate(span, s, n, p, blk_positions, nb)
+                                    n: T.let[T.int32] = length[0] if early else cache_lens[s]
+                                    if not early:
+                                        locate(span, s, n, p, blk_positions, nb)
 
-                                    # Q: rows past the block's read its last row
+                                    # Q: rows past the block's read its last row; early, by cp.async in the
+                                    # first group's commit group, so the group's copies follow at once
                                     for i in T.unroll(fetch):
                                         r = T.meta_var(T.min(vector_row(i, tid), rows - 1))
-                                        for x in T.vectorized(8):
-                                            sm[tile_offset(vector_row(i, tid), vector_index(i, tid)) + x] = q[
-                                                s * blk + r // group,
-                                                (g * group + r % group) * dim + vector_index(i, tid) * 8 + x,
-                                            ]
+                                        q_col = T.meta_var((g * group + r % group) * dim + vector_index(i, tid) * 8)
+                                        if early:
+                                            copy16(sm[tile_offset(vector_row(i, tid), vector_index(i, tid))],
+                                                   q[s * blk + r // group, q_col])  # fmt: skip
+                                        else:
+                                            for x in T.vectorized(8):
+                                                sm[tile_offset(vector_row(i, tid), vector_index(i, tid)) + x] = q[
+                                                    s * blk + r // group,
+                                                    (g * group + r % group) * dim + vector_index(i, tid) * 8 + x,
+                                                ]
                                     for h in T.unroll(2):
                                         q_at[h] = blk_positions[
                                             s * blk + T.min(ty * 16 + h * 8 + gq, rows - 1) // group
@@ -306,7 +336,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                     # waits count them), then the table entries of the group after
                                     for j in T.unroll(ahead):
                                         if j < groups:
-                                            read_table(pt, block_table, s, n, start + j * KEYS, end, tid)
+                                            if not early or j > 0:  # early: the first group's entries are there
+                                                read_table(pt, block_table, s, n, start + j * KEYS, end, tid)
                                             copy_group(sm, q_elems + j * slot_elems, pt, kv, k, v, s, g, n,
                                                        start + j * KEYS, end, tid)  # fmt: skip
                                         T.evaluate(T.ptx["cp.async.commit_group"]())
@@ -468,7 +499,8 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     Knobs (as the mma rule's): `splits`, thread blocks one (sequence, kv head) is split across at most;
     `slots`, the grid a batch's splits aim at (0: off), so a larger batch takes fewer splits; `prefetch`,
     the groups whose cached K/V lines go to L2 before the wait for inputs; `stages`, the slots of the
-    cp.async ring (stages - 1 groups' copies in flight beyond the one multiplied).
+    cp.async ring (stages - 1 groups' copies in flight beyond the one multiplied); `early` 1, the span and
+    first table entries located before that wait and Q copied by cp.async after it (module docstring).
 
     Defaults from the H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, 4096 cached rows, µs the
     split kernel adds over five layers at nb = 8; ms of the bf16 step at nb = 1 / 4 / 8 / 16):
@@ -500,7 +532,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     """
 
     name = "block_attention_wgmma"
-    knob_names = ("splits", "slots", "prefetch", "stages", "cluster")
+    knob_names = ("splits", "slots", "prefetch", "stages", "cluster", "early")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {
@@ -509,6 +541,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
             "prefetch": 2,
             "stages": DEFAULT_STAGES,
             "cluster": DEFAULT_CLUSTER,
+            "early": 0,
         }
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:
@@ -518,7 +551,5 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
         return super().apply(spec, target, knobs)
 
     def schedule(self, spec: BlockAttentionSpec, target: Target, knobs: Mapping[str, int]) -> Any:
-        plan = fit_wgmma_attention(
-            spec, target, knobs["splits"], knobs["slots"], knobs["prefetch"], knobs["stages"], knobs["cluster"]
-        )
+        plan = fit_wgmma_attention(spec, target, **{name: knobs[name] for name in self.knob_names})
         return attention_wgmma_func(spec, plan)

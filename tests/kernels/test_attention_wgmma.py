@@ -98,7 +98,7 @@ def test_tiles_are_the_layouts_the_descriptors_describe(dim):
 
 def test_plans_and_knobs():
     knobs = AttentionWgmmaRule().default_knobs(SM90)
-    assert knobs == {"splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0}
+    assert knobs == {"splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0, "early": 0}
     assert fit_wgmma_attention(QWEN3_8B, SM90, 16, cluster=16).cluster_counts == (2, 4, 8, 16)
     assert fit_wgmma_attention(QWEN3_8B, SM90, 8, cluster=4).cluster_counts == (2, 4)
     assert fit_wgmma_attention(QWEN3_8B, SM90, 16).cluster_counts == ()
@@ -117,6 +117,7 @@ def test_plans_and_knobs():
         ({"cluster": 3}, "cluster=3: expected 0 .* or a power of two"),
         ({"cluster": 32}, "cluster=32"),
         ({"cluster": 1}, "cluster=1"),
+        ({"early": 2}, "early=2: expected 0 .* or 1"),
         ({"splits": 8, "cluster": 16}, r"min\(splits=8, 16\)"),
         ({"key_warps": 2}, "key_warps"),  # the mma rule's knob: not this rule's
     ):
@@ -132,7 +133,7 @@ def plan_bytes(spec: BlockAttentionSpec, stages: int) -> int:
 @pytest.fixture(scope="module")
 def lowered():
     kernels = [AttentionWgmmaRule().apply(s, SM90) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK, SMALL)]
-    for knobs in ({"stages": 2, "prefetch": 0}, {"stages": 4}):
+    for knobs in ({"stages": 2, "prefetch": 0}, {"stages": 4}, {"early": 1}, {"early": 1, "prefetch": 0}):
         other = AttentionWgmmaRule().apply(QWEN3_8B, SM90, knobs)
         name = other.name + "".join(f"_{k}{v}" for k, v in knobs.items())
         kernels.append(replace(other, name=name, func=other.func.with_attr("global_symbol", name)))
@@ -160,7 +161,8 @@ def test_kernel_table(lowered):
         grid, block, _ = merge.launch_dims(env)
         per_block, threads = merge_blocking(spec)
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
-        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, knobs["prefetch"] > 0)
+        early = knobs["prefetch"] > 0 or knobs["early"] == 1  # host-written lengths and tables before the wait
+        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, early)
 
 
 def test_both_products_are_warpgroup_mmas(lowered):
@@ -180,6 +182,33 @@ def test_both_products_are_warpgroup_mmas(lowered):
         assert "mma.sync" not in split and "cp_async" in split
         assert f"cp_async_wait_group_async_wait_group_{kernel.knobs['stages'] - 2}()" in split, kernel.name
     assert "m64n128k16.f32.bf16.bf16 {%0" in cuda.source and "}, %68, p, 1, 1, 1;" in cuda.source
+
+
+def test_early_locates_before_the_wait_and_copies_right_after_it(lowered):
+    """With `early` 1 the split reads the length, positions and its first group's page-table entries before its
+    wait (host-written, as the prefetches read them) and, after it, nothing of them before its first copies:
+    Q's rows go by cp.async and the first group's K/V follow at once. With 0 the length and the span are
+    read again after the wait and Q's rows pass through registers."""
+    import re
+
+    from dflash_compiler.dependent_launch import WAIT, kernel_bodies
+
+    kernels, cuda = lowered
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    assert sum(kernel.knobs["early"] for kernel in kernels) == 2
+    for kernel in kernels:
+        split = bodies[cuda.functions[kernel.name].kernels[0].name]
+        before, after = split.split(f"{WAIT}();", 1)
+        q_reads = len(re.findall(r"\bq_ptr\b", after))
+        q_copies = len(re.findall(r"cp_async\w*\(tvm_builtin_cuda_cvta_generic_to_shared\([^;]*\(&\(q_ptr\[", after))
+        if kernel.knobs["early"]:
+            assert "cache_lens_ptr[" in before and "block_table_ptr[" in before and "cache_lens_ptr[" not in after
+            first_copy = after.index("cp_async")
+            assert "block_table_ptr[" not in after[:first_copy] and "blk_positions_ptr[" not in after[:first_copy]
+            assert q_reads == q_copies > 0, kernel.name
+        else:
+            assert "cache_lens_ptr[" in after and q_copies == 0 < q_reads, kernel.name
+        assert_only_prefetches_before_the_wait(cuda.source, cuda.functions[kernel.name].kernels[0].name)
 
 
 def test_nvrtc_keeps_the_warpgroup_mmas_async(lowered):
