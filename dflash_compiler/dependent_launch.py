@@ -24,8 +24,9 @@ that its dependents come in only as its blocks exit:
   host-written positions, before the wait, and trigger right after it;
 * the attention split kernels never trigger, and before the wait only prefetch their first groups'
   cached K/V rows into L2: the addresses come from the step's lengths and block tables, which the host
-  writes and no kernel of the step does, and everything is read again after the wait, so a stale table
-  could cost a useless prefetch but never a wrong value.
+  writes before the step's graph and no kernel of the step does. By default everything is read again after
+  the wait; with the warpgroup kernel's knob `early` the span, length and first table entries read before it
+  are kept and used after it (schedules/attention_wgmma.py), and the cache itself is still read only after.
 
 Measured on the H200 (`bench/propose.py --timeline`, Qwen3-8B drafter, bf16; ms at nb = 1 / 4 / 8 / 16,
 against plain launches in the same run):

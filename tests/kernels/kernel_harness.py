@@ -128,8 +128,9 @@ def assert_only_weights_before_the_wait(
 
 def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
     """Attention split kernel `name` waits once for its inputs; before that wait it reads only the step's
-    host-written lengths, block tables and positions, and touches the K/V cache only through L2 prefetches
-    (dependent_launch.py): no value it computes with comes from before the wait."""
+    host-written lengths, block tables and positions (no kernel of the step writes them) and touches the K/V
+    cache only through L2 prefetches (dependent_launch.py): no value it computes with comes from a kernel's
+    output before the wait."""
     from dflash_compiler.dependent_launch import PREFETCH_L2
 
     _, early, touched = _before_the_wait(source, name)
