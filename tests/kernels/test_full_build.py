@@ -63,6 +63,28 @@ def test_gemm_mode_linears_build_for_target(programs, target):
     _check_build(program, build, target)
 
 
+def test_knobbed_fp8_build_is_safe_to_launch_dependent():
+    """The Qwen3-8B drafter in FP8 with the warpgroup GEMMs converting into register fragments (wgmma_convert 2)
+    and the attention locating early (early 1): the same checks, the dependent-launch ones included, and the
+    knobs reach every kernel they apply to."""
+    from dflash_compiler.kernel_build import build_kernels
+    from dflash_compiler.pipeline import optimize
+
+    program = optimize(
+        load_drafter_config(example_config_path("qwen3-8b-dflash-b16")),
+        BuildOptions(**{**OPTIONS.model_dump(), "precision": "fp8"}),
+    )
+    knobs = {rule: {"wgmma_convert": 2} for rule in ("linear_mma", "linear_argmax", "linear_silu")}
+    knobs["block_attention_wgmma"] = {"early": 1}
+    build = build_kernels(program, SM90, knobs=knobs)
+    gemms = [k for k in build.kernels.values() if "wgmma_convert" in k.knobs and k.spec.fp8]
+    assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == 2 for k in gemms)
+    attention = [k for k in build.kernels.values() if k.rule == "block_attention_wgmma"]
+    assert attention and all(k.knobs["early"] == 1 for k in attention)
+    assert build.cuda.source.count("dflash_e4m3_a_fragment((&") > 0
+    _check_build(program, build, SM90)
+
+
 def _check_build(program, build, target):
     from dflash_compiler.cubin import cubin_arch, kernel_names, static_shared_bytes
 
@@ -78,7 +100,8 @@ def _check_build(program, build, target):
     prefetching = {
         f"{kernel.name}_kernel"
         for kernel in build.kernels.values()
-        if kernel.rule in ("block_attention_mma", "block_attention_wgmma") and kernel.knobs.get("prefetch", 0) > 0
+        if kernel.rule in ("block_attention_mma", "block_attention_wgmma")
+        and (kernel.knobs.get("prefetch", 0) > 0 or kernel.knobs.get("early", 0) == 1)
     }
     unwritten = _unwritten(program, build)
     for name in launched:
