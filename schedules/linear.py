@@ -449,7 +449,7 @@ class LinearMmaRule(FamilyRule):
             )
         shape = {**mid_defaults(spec, target, rows), **given}
         # the e4m3 conversion as the GEMM above mid_rows has it (wgmma_convert)
-        convert = knobs["wgmma_convert"] or CONVERT_TILE
+        convert = knobs["wgmma_convert"] or default_convert(spec)
         return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
                                              "roles": SHARED_ROLES, "convert": convert})  # fmt: skip
 
@@ -739,7 +739,12 @@ def wgmma_defaults(
                               "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
-    return {**best[1], "roles": SHARED_ROLES, "convert": CONVERT_TILE}
+    return {**best[1], "roles": SHARED_ROLES, "convert": default_convert(spec)}
+
+
+def default_convert(spec: LinearSpec) -> int:
+    """Where both warpgroup GEMMs turn e4m3 weights into bf16 unless knob wgmma_convert says: a shared tile."""
+    return CONVERT_TILE
 
 
 def mid_defaults(spec: LinearSpec, target: Target, rows: int) -> dict[str, int]:

@@ -301,7 +301,6 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     # (step u a Python constant: with a loop variable TVM would fold the two sets onto one, as each is written
     # and read within its step, not seeing that the wgmmas read them on after it)
     unroll = groups if registers else 1
-    pairs = -(-per_split // unroll)
     store = store_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
     picks = spec.picks
@@ -334,7 +333,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
             for kk in T.unroll(kks):
                 col = T.meta_var(raw_chunk(kk, row) * 16)
                 T.evaluate(T.call_extern(
-                    "void", E4M3_A_FRAGMENT, T.address_of(af[((u * k_atoms + atom) * kks + kk) * 8]),
+                    "void", E4M3_A_FRAGMENT, af.access_ptr("w", offset=((u * k_atoms + atom) * kks + kk) * 8, extent=8),
                     T.address_of(ws[slot, atom, row, col]), T.address_of(ws[slot, atom, row + 8, col]), quad,
                 ))  # fmt: skip
 
@@ -345,7 +344,8 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
             for kk in T.unroll(kks):
                 if registers:
                     T.evaluate(T.call_extern(
-                        "void", mma_rk, T.address_of(acc[0]), T.address_of(af[((u * k_atoms + atom) * kks + kk) * 8]),
+                        "void", mma_rk, T.address_of(acc[0]),
+                        af.access_ptr("r", offset=((u * k_atoms + atom) * kks + kk) * 8, extent=8),
                         T.address_of(xs[kt % stages, atom, 0, kk * WGMMA_K]),
                     ))  # fmt: skip
                 else:
@@ -394,10 +394,12 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     def shared_loop(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad):
         # every warp copies its share of each slot and multiplies; a block barrier per slot
         first_slots(x, w, m, ws, xs, bm, bn, ks, tid, lead)
-        for kt in range(pairs):
+        for kt in range(per_split // unroll):
             shared_step(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad, kt * unroll, 0)
-            if unroll == 2 and (per_split % 2 == 0 or kt * 2 + 1 < per_split):
+            if unroll == 2:
                 shared_step(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad, kt * 2 + 1, 1)
+        if per_split % unroll == 1:  # the odd last slot, after the loop: no branch inside it (ptxas then serialises)
+            shared_step(x, w, m, acc, ws, wc, af, xs, bm, bn, ks, tid, wg, row, quad, per_split - 1, 0)
         if groups > 1:
             T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
 
@@ -449,10 +451,12 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
 
     @T.macro
     def consume(acc, ws, wc, af, xs, bars, tid, wg, row, quad):
-        for kt in range(pairs):
+        for kt in range(per_split // unroll):
             consume_step(acc, ws, wc, af, xs, bars, tid, wg, row, quad, kt * unroll, 0)
-            if unroll == 2 and (per_split % 2 == 0 or kt * 2 + 1 < per_split):
+            if unroll == 2:
                 consume_step(acc, ws, wc, af, xs, bars, tid, wg, row, quad, kt * 2 + 1, 1)
+        if per_split % unroll == 1:  # the odd last slot, after the loop
+            consume_step(acc, ws, wc, af, xs, bars, tid, wg, row, quad, per_split - 1, 0)
         if groups > 1:
             T.evaluate(T.call_extern("void", wait, T.address_of(acc[0])))
 

@@ -130,8 +130,11 @@ def test_each_thread_converts_its_own_fragments_and_the_wgmmas_read_them_from_re
     sets = {8 * i for i in range(unroll * plan.k_atoms * 4)}
     assert set(fragments) == set(wgmmas) and {int(i) for i in fragments} == sets
     assert len(fragments) == len(wgmmas) and len(fragments) % (plan.k_atoms * 4) == 0
+    # the fragment array holds every set whole: each call writes 8 bf16 from its offset, so an array sized by
+    # the offsets alone (TVM sizes local buffers by what it sees accessed) would be overrun
+    assert f"nv_bfloat16 af_ptr[{8 * len(sets)}];" in body
 
-    pairs = -(-per_split // unroll)
+    pairs = per_split // unroll  # an odd last slot follows the loop
     # a loop of one iteration is no loop (TVM unrolls it): then the steps follow the first slots' copies
     loop = body[body.index("for (int kt = 0;" if pairs > 1 else f"{WAIT}();") :]
     assert (f"for (int kt = 0; kt < {pairs}; ++kt) {{" in body) == (pairs > 1)
