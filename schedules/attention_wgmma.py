@@ -529,6 +529,12 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     at nb = 8. So neither the trigger nor dependent launch is the cause (not profiled further). The warpgroup
     GEMM's cluster reduction loses in the step the same way (linear_wgmma.cluster_store_macro). So it is off by
     default.
+
+    `early` 1 is correct (bench/attention.py on an H200: 24/24 cases of every mask against numpy; the Qwen3-8B
+    kernel at nb = 1 / 4 / 8 through bench/kernels.py) but not faster in the step (same run, µs the attention
+    adds over five layers, 0 → 1): 78.0 → 76.3 at nb = 1 and 241.2 → 248.0 at nb = 8; the bf16 step 0.970 → 0.979
+    ms at nb = 1 and 1.393 → 1.402 at nb = 8, where a second copy of the default build took 0.981 and 1.405. The
+    round trips it removes after the wait are not what the split kernel waits on. So it is off by default.
     """
 
     name = "block_attention_wgmma"
