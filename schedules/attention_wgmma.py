@@ -293,7 +293,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                     if plan.prefetch > 0:
                                         # before the wait, the step's lengths and block tables (the host writes
                                         # them, no kernel of the step does) locate the first groups' cached K/V;
-                                        # only prefetches use them, everything is read again after the wait
+                                        # only prefetches use them (without `early`, everything is read again
+                                        # after the wait)
                                         n_early: T.let[T.int32] = length[0] if early else cache_lens[s]
                                         if not early:
                                             locate(span, s, n_early, p, blk_positions, nb)
@@ -321,8 +322,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                         else:
                                             for x in T.vectorized(8):
                                                 sm[tile_offset(vector_row(i, tid), vector_index(i, tid)) + x] = q[
-                                                    s * blk + r // group,
-                                                    (g * group + r % group) * dim + vector_index(i, tid) * 8 + x,
+                                                    s * blk + r // group, q_col + x
                                                 ]
                                     for h in T.unroll(2):
                                         q_at[h] = blk_positions[

@@ -74,14 +74,18 @@ def test_knobbed_fp8_build_is_safe_to_launch_dependent():
         load_drafter_config(example_config_path("qwen3-8b-dflash-b16")),
         BuildOptions(**{**OPTIONS.model_dump(), "precision": "fp8"}),
     )
-    knobs = {rule: {"wgmma_convert": 2} for rule in ("linear_mma", "linear_argmax", "linear_silu")}
-    knobs["block_attention_wgmma"] = {"early": 1}
+    from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT
+    from dflash_compiler.schedules.attention_wgmma import AttentionWgmmaRule
+    from dflash_compiler.schedules.linear import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
+
+    knobs = {rule.name: {"wgmma_convert": 2} for rule in (LinearMmaRule, LinearArgmaxRule, LinearSiluRule)}
+    knobs[AttentionWgmmaRule.name] = {"early": 1}
     build = build_kernels(program, SM90, knobs=knobs)
     gemms = [k for k in build.kernels.values() if "wgmma_convert" in k.knobs and k.spec.fp8]
     assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == 2 for k in gemms)
-    attention = [k for k in build.kernels.values() if k.rule == "block_attention_wgmma"]
+    attention = [k for k in build.kernels.values() if k.rule == AttentionWgmmaRule.name]
     assert attention and all(k.knobs["early"] == 1 for k in attention)
-    assert build.cuda.source.count("dflash_e4m3_a_fragment((&") > 0
+    assert build.cuda.source.count(f"{E4M3_A_FRAGMENT}((&") > 0
     _check_build(program, build, SM90)
 
 
