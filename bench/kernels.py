@@ -3,7 +3,7 @@
 Two steps, because the build box has TVM and no GPU and the GPU box has no TVM:
 
     # build box: schedule + build the drafter's kernels for a target, with the size cases to run
-    python bench/kernels.py build examples/qwen3-8b-dflash-b16 --target sm_90 -o build/kbench
+    python bench/kernels.py build examples/qwen3-8b-dflash-b16 --target sm_90 -o build/kbench [--knob RULE.KNOB=INT]
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python): check every case against numpy and time it
     PYTHONPATH=. python bench/kernels.py run build/kbench --json build/kbench/results.json
 
@@ -43,7 +43,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.kernel_build import build_kernels
     from dflash_compiler.kernel_check import cases_from_plans, write_bundle
-    from dflash_compiler.options import BuildOptions, Precision
+    from dflash_compiler.options import BuildOptions, Precision, knob_overrides
     from dflash_compiler.pipeline import optimize
     from dflash_compiler.targets import get_target
 
@@ -53,10 +53,11 @@ def build(args: argparse.Namespace) -> None:
         max_batch=max(PROPOSE_BATCHES),
         max_seq_len=CACHED_ROWS + 64,
         max_ctx_rows=max(CONTEXT_ROWS),
+        knobs=knob_overrides(args.knob),
     )
     program = optimize(cfg, options)
     target = get_target(args.target)
-    kb = build_kernels(program, target)
+    kb = build_kernels(program, target, knobs=options.knobs)
     cases = cases_from_plans(kb.plans.values(), _dims(program.config.block_size, CACHED_ROWS))
     specs = {name: k.spec for name, k in kb.kernels.items()}
     write_bundle(Path(args.out), target.arch, kb.cubin, kb.cuda, specs, cases)
@@ -113,6 +114,9 @@ def main() -> int:
     b.add_argument("--target", default="sm_90")
     b.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
     b.add_argument("-o", "--out", required=True)
+    b.add_argument(
+        "--knob", action="append", default=[], metavar="RULE.KNOB=INT", help="a schedule knob's value (repeatable)"
+    )
     r = sub.add_parser("run", help="GPU box: check and time every case")
     r.add_argument("bundle")
     r.add_argument("--repeats", type=int, default=30)

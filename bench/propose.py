@@ -5,7 +5,7 @@ context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-
 
     # build box (TVM, no GPU): the sm_90 artifacts (bf16 and FP8, each also with plain launches),
     # kernels and plans only
-    python bench/propose.py build -o build/propose [--variants bf16 fp8]
+    python bench/propose.py build -o build/propose [--variants bf16 fp8] [--knob RULE.KNOB=INT ...]
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
@@ -65,11 +65,12 @@ VARIANT_NAMES = tuple(name for name, _, _ in VARIANTS)
 def build(args: argparse.Namespace) -> None:
     from dflash_compiler.checkpoint import example_config_path
     from dflash_compiler.config import load_drafter_config
-    from dflash_compiler.options import BuildOptions, Precision
+    from dflash_compiler.options import BuildOptions, Precision, knob_overrides
     from dflash_compiler.pipeline import compile_drafter
     from dflash_compiler.targets import SM90
 
     cfg = load_drafter_config(example_config_path(EXAMPLE))
+    knobs = knob_overrides(args.knob)
     for variant, precision, dependent in VARIANTS:
         if variant not in args.variants:
             continue
@@ -79,6 +80,7 @@ def build(args: argparse.Namespace) -> None:
             max_ctx_rows=512,
             precision=Precision(precision),
             dependent_launch=dependent,
+            knobs=knobs,
         )
         out = Path(args.out) / f"{EXAMPLE}-sm_90-{variant}"
         _, manifest = compile_drafter(cfg, options, SM90, out, overwrite=True)
@@ -589,6 +591,13 @@ def main() -> int:
     b = sub.add_parser("build", help="build box: the bf16 and FP8 sm_90 artifacts")
     b.add_argument("-o", "--out", required=True)
     b.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
+    b.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="RULE.KNOB=INT",
+        help="schedule knob over the default in every variant built (repeatable): one side of an A/B",
+    )
     r = sub.add_parser("run", help="GPU box: pack, fill the caches, measure")
     r.add_argument("bundle", nargs="+", help="one bundle, or several to compare in one run (an A/B of two builds)")
     r.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)

@@ -34,7 +34,7 @@ from dflash_compiler.options import BuildOptions
 from dflash_compiler.plans import KVCachePlan, MemoryPlan, PrecisionMap
 from dflash_compiler.targets import Target
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MANIFEST = "manifest.json"
 CUBIN = "kernels.cubin"
 SOURCE = "kernels.cu"
@@ -302,4 +302,7 @@ def human_summary(manifest: Manifest) -> list[tuple[str, str]]:
         ("device memory", human_bytes(total.total)),
         ("predicted step", f"{predicted} (roofline at {manifest.roofline.bandwidth_bytes_per_s / 1e12:.2f} TB/s)"),
     ]
+    if manifest.options.knobs:
+        overrides = (f"{rule}.{k}={v}" for rule, knobs in manifest.options.knobs.items() for k, v in knobs.items())
+        rows.append(("knob overrides", " ".join(overrides)))
     return rows

@@ -32,6 +32,13 @@ PrecisionOpt = Annotated[str, typer.Option(help="bf16, fp8 or auto")]
 Exclude = Annotated[list[str] | None, typer.Option(help="glob of linears kept in bf16 (repeatable)")]
 KVBudget = Annotated[int | None, typer.Option(help="size the KV pool from a byte budget")]
 DumpDir = Annotated[Path | None, typer.Option("--dump-dir", help="write every phase's graph after each step")]
+Knob = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="schedule knob over the target's default, RULE.KNOB=INT (repeatable; `inspect` lists each kernel's "
+        "rule and knobs), recorded in the manifest"
+    ),
+]
 
 
 def _fail(error: InputError) -> typer.Exit:
@@ -202,6 +209,7 @@ def compile(
     ] = True,
     force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
     dump_dir: DumpDir = None,
+    knob: Knob = None,
 ) -> None:
     """Compile a drafter into an artifact: kernels (cubin), plans and manifest, plus packed weights."""
     import time
@@ -209,6 +217,7 @@ def compile(
     from dflash_compiler.artifact import human_summary
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.errors import DFlashError
+    from dflash_compiler.options import knob_overrides
     from dflash_compiler.pack import pack_weights
     from dflash_compiler.pipeline import compile_drafter
     from dflash_compiler.targets import get_target
@@ -229,6 +238,7 @@ def compile(
             exclude=tuple(exclude or ()),
             kv_budget_bytes=kv_budget_bytes,
             dependent_launch=dependent_launch,
+            knobs=knob_overrides(knob or ()),
         )
         chosen = get_target(target)
         console.print(f"compiling {drafter_dir} for [bold]{chosen.name}[/] ({chosen.description})")
@@ -284,6 +294,10 @@ def inspect(artifact: Annotated[Path, typer.Argument(help="artifact directory")]
     for name, plan in manifest.phases.items():
         table.add_row(name, str(len(plan.calls)), str(len({c.kernel for c in plan.calls})))
     console.print(table)
+    kernels = Table("kernel", "rule", "knobs")
+    for name, record in manifest.kernel_rules.items():
+        kernels.add_row(name, record.rule, " ".join(f"{k}={v}" for k, v in record.knobs.items()))
+    console.print(kernels)
 
 
 @app.command()

@@ -12,9 +12,10 @@ from typing import Any
 
 from dflash_compiler.codegen import CodegenError, CudaModule, lower_to_cuda
 from dflash_compiler.cubin import cubin_arch
-from dflash_compiler.kernel_plan import KernelPlan, schedule_graph
+from dflash_compiler.kernel_plan import KernelPlan, check_knob_rules, schedule_graph
 from dflash_compiler.lower import Program
 from dflash_compiler.nvrtc import compile_cubin
+from dflash_compiler.schedules import RULES
 from dflash_compiler.schedules.base import Kernel
 from dflash_compiler.targets import Target
 
@@ -33,11 +34,14 @@ class KernelBuild:
 def schedule_program(
     program: Program, target: Target, knobs: Mapping[str, Mapping[str, int]] | None = None
 ) -> tuple[dict[str, KernelPlan], dict[str, Kernel]]:
-    """Kernel plans of both phases; kernels with equal specs are shared between the phases."""
+    """Kernel plans of both phases; kernels with equal specs are shared between the phases. `knobs` (rule name →
+    knob overrides) must name rules of `RULES` that some kernel of the program uses (`check_knob_rules`)."""
+    check_knob_rules(knobs or {}, RULES)
     kernels: dict[str, Kernel] = {}
     plans = {
         phase: schedule_graph(graph, target, knobs=knobs, kernels=kernels) for phase, graph in program.phases.items()
     }
+    check_knob_rules(knobs or {}, RULES, kernels.values())
     return plans, kernels
 
 

@@ -13,7 +13,7 @@ kernel specialised to an int where the graph is symbolic, is an error that names
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -103,6 +103,31 @@ def schedule_graph(
         calls.append(_bind(graph, name, op, kernel.spec, views))
     used = {call.kernel: known[call.kernel] for call in calls}
     return KernelPlan(graph.name, tuple(calls), MappingProxyType(used))
+
+
+def check_knob_rules(
+    knobs: Mapping[str, Mapping[str, int]], rules: Sequence[Rule], used: Iterable[Kernel] | None = None
+) -> None:
+    """Knob overrides name rules of `rules`, and, given the kernels a build `used`, rules that made one of
+    them: an override nothing reads would leave a build that silently ignores it. (Each rule refuses knob
+    names it does not have when it applies them.)"""
+    known = [rule.name for rule in rules]
+    unknown = sorted(set(knobs) - set(known))
+    if unknown:
+        raise KernelPlanError(
+            f"knob overrides for unknown rule(s) {', '.join(unknown)}; expected rules among {', '.join(known)}. "
+            "Fix: correct the rule names (the manifest's `kernels` lists each kernel's rule and knobs)"
+        )
+    if used is None:
+        return
+    ran = {kernel.rule for kernel in used}
+    idle = sorted(set(knobs) - ran)
+    if idle:
+        raise KernelPlanError(
+            f"knob overrides for rule(s) {', '.join(idle)}, which made no kernel of this build (its kernels come "
+            f"from {', '.join(sorted(ran))}). Fix: drop those overrides, or build for a target or precision where "
+            "the rule applies"
+        )
 
 
 def _kernel_for(

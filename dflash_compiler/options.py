@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from dflash_compiler.errors import InputError, Problem
 
 
 class Precision(StrEnum):
@@ -46,9 +50,40 @@ class BuildOptions(BaseModel):
     sliding_window_only: bool = Field(
         default=False, description="sliding-window layers keep only their window of context rows"
     )
+    knobs: dict[str, dict[str, StrictInt]] = Field(
+        default_factory=dict,
+        description="schedule knobs over the target's defaults, per rule name: {rule: {knob: value}} (a tuning "
+        "choice, an A/B build); the build refuses a rule or knob it does not know and a rule no kernel used",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> BuildOptions:
         if self.exclude and self.precision is Precision.BF16:
             raise ValueError("exclude only applies with precision fp8 or auto; remove it or change precision")
         return self
+
+
+KNOB_SYNTAX = "RULE.KNOB=INT, e.g. block_attention_wgmma.stages=4"
+
+
+def knob_overrides(texts: Iterable[str]) -> dict[str, dict[str, int]]:
+    """`{rule: {knob: value}}` from `RULE.KNOB=VALUE` texts (the CLI's and the benchmarks' spelling of knob
+    overrides); refuses, naming each, a text of another shape and a knob given twice."""
+    out: dict[str, dict[str, int]] = {}
+    problems = []
+    for text in texts:
+        match = re.fullmatch(r"\s*(\w+)\.(\w+)\s*=\s*(-?\d+)\s*", text)
+        if match is None:
+            problems.append(
+                Problem("knob", repr(text), KNOB_SYNTAX, "spell it so (`inspect` lists each kernel's rule and knobs)")
+            )
+            continue
+        rule, knob, value = match.group(1), match.group(2), int(match.group(3))
+        if knob in out.setdefault(rule, {}):
+            problems.append(
+                Problem("knob", repr(text), f"{rule}.{knob} once (it is already {out[rule][knob]})", "give it once")
+            )
+        out[rule][knob] = value
+    if problems:
+        raise InputError("build options", problems)
+    return out

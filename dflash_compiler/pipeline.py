@@ -131,7 +131,7 @@ def compile_drafter(
     from dflash_compiler.kernel_build import build_kernels
 
     program = optimize(cfg, options, tensors=tensors, dump_dir=dump_dir, on_step=on_step)
-    build = build_kernels(program, target, on_step=on_step)
+    build = build_kernels(program, target, knobs=options.knobs, on_step=on_step)
     path, manifest = emit(out_dir, cfg, options, program, build, overwrite=overwrite)
     if on_step is not None:
         on_step("emit")

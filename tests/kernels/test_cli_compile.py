@@ -72,3 +72,46 @@ def test_compile_refuses_an_unknown_target_and_inspect_a_damaged_artifact(tmp_pa
     assert shown.exit_code == 1 and "graph.txt" in shown.output
     packed = _run("pack-weights", out, tmp_path / "ckpt" / "drafter", "--target-model", tmp_path / "ckpt" / "target")
     assert packed.exit_code == 1 and "graph.txt" in packed.output
+
+
+def _compile_tiny(tmp_path, out, *extra):
+    return _run(
+        "compile", tmp_path / "ckpt" / "drafter", "--target", "sm_90", "--max-batch", "2", "--max-seq-len", "128",
+        "-o", out, *extra,
+    )  # fmt: skip
+
+
+def test_knob_overrides_reach_the_kernels_and_the_manifest(tmp_path):
+    write_example("tiny-dflash", tmp_path / "ckpt", seed=2)
+    plain, tuned = tmp_path / "plain", tmp_path / "tuned"
+    assert _compile_tiny(tmp_path, plain).exit_code == 0
+    result = _compile_tiny(tmp_path, tuned, "--knob", "block_attention.splits=2", "--knob", "rmsnorm.vector_bytes=8")
+    assert result.exit_code == 0, result.output
+    assert "block_attention.splits=2 rmsnorm.vector_bytes=8" in result.output  # the summary's overrides row
+    base, manifest = load_manifest(plain), load_manifest(tuned)
+    assert manifest.options.knobs == {"block_attention": {"splits": 2}, "rmsnorm": {"vector_bytes": 8}}
+    attention = [r for r in manifest.kernel_rules.values() if r.rule == "block_attention"]
+    norms = [r for r in manifest.kernel_rules.values() if r.rule == "rmsnorm"]
+    assert attention and all(r.knobs["splits"] == 2 for r in attention)
+    assert norms and all(r.knobs["vector_bytes"] == 8 for r in norms)
+    assert all(r.knobs["splits"] == 16 for r in base.kernel_rules.values() if r.rule == "block_attention")
+    assert (plain / "kernels.cu").read_text() != (tuned / "kernels.cu").read_text()
+    shown = _run("inspect", tuned)
+    assert shown.exit_code == 0 and "knob overrides" in shown.output and "rmsnorm_h64" in shown.output
+
+
+@pytest.mark.parametrize(
+    ("knob", "message"),
+    [
+        ("block_attention.splits", "RULE.KNOB=INT"),
+        ("block_attention.splits=two", "RULE.KNOB=INT"),
+        ("attention.splits=2", "unknown rule(s) attention"),
+        ("block_attention_wgmma.early=1", "made no kernel of this build"),
+        ("block_attention.split=2", "unknown knob(s) split"),
+    ],
+)
+def test_bad_knob_overrides_are_refused_and_write_nothing(tmp_path, knob, message):
+    write_example("tiny-dflash", tmp_path / "ckpt", seed=2)
+    result = _compile_tiny(tmp_path, tmp_path / "x", "--knob", knob)
+    assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "x").exists()

@@ -68,3 +68,24 @@ def test_exclude_glob_matching_nothing_is_refused():
         optimize(t.config, BuildOptions(precision="fp8", exclude=("layers.9.*", "lm_head", "fc_typo")))
     assert [p.where for p in err.value.problems] == ["exclude 'fc_typo'", "exclude 'layers.9.*'"]
     assert "matches no linear" in str(err.value)
+
+
+def test_knob_overrides_parse_and_refuse_a_bad_spelling_or_a_repeat():
+    from pydantic import ValidationError
+
+    from dflash_compiler.errors import InputError
+    from dflash_compiler.options import knob_overrides
+
+    assert knob_overrides(["rmsnorm.threads=64", "block_attention.splits = 2", "rmsnorm.vector_bytes=8"]) == {
+        "rmsnorm": {"threads": 64, "vector_bytes": 8},
+        "block_attention": {"splits": 2},
+    }
+    assert knob_overrides([]) == {}
+    with pytest.raises(InputError) as err:
+        knob_overrides(["rmsnorm.threads=64", "rmsnorm", "rmsnorm.threads=32", "a.b=1.5", "a . b=1"])
+    assert [p.found for p in err.value.problems] == ["'rmsnorm'", "'rmsnorm.threads=32'", "'a.b=1.5'", "'a . b=1'"]
+    assert "already 64" in str(err.value) and "RULE.KNOB=INT" in str(err.value)
+    with pytest.raises(ValidationError):
+        BuildOptions(knobs={"rmsnorm": {"threads": "64"}})  # an int, not text that reads as one
+    with pytest.raises(ValidationError):
+        BuildOptions(knobs={"rmsnorm": {"threads": True}})
