@@ -22,8 +22,9 @@ that its dependents come in only as its blocks exit:
   pass's multiplies): the next grid arrives for the stream's tail only;
 * the norms (rmsnorm.py) and head_prep load their weights, and head_prep also its RoPE angles from the
   host-written positions, before the wait, and trigger right after it;
-* the attention split kernels never trigger, and before the wait only prefetch their first groups'
-  cached K/V rows into L2: the addresses come from the step's lengths and block tables, which the host
+* the attention split kernels do not trigger (the warpgroup one with knob `trigger` does, once its blocks
+  have issued their last K/V copies), and before the wait only prefetch their first groups' cached K/V rows
+  into L2: the addresses come from the step's lengths and block tables, which the host
   writes before the step's graph and no kernel of the step does. By default everything is read again after
   the wait; with the warpgroup kernel's knob `early` the span, length and first table entries read before it
   are kept and used after it (schedules/attention_wgmma.py), and the cache itself is still read only after.

@@ -36,7 +36,9 @@ lengths and tables. With knob `early` the span, its length and the first group's
 located before that wait too and kept in registers (the host writes them; no kernel of the step does), and
 after it Q goes to shared memory by `cp.async` beside the first group's copies: the first K/V copies then
 leave right after the wait, not behind the length, span, Q and table loads that each waited for the one
-before (rows of Q in registers first, then in shared memory, block the copies after them).
+before (rows of Q in registers first, then in shared memory, block the copies after them). With knob
+`trigger` each block lets the merge grid in once it has issued its last group's copies (after its prologue
+when that held them all), so the merge kernel is resident and waiting when the split completes.
 
 With knob `cluster` (a power of two up to 16) a batch whose span count is 2, 4, .. `cluster` launches
 instead one kernel whose spans of a (sequence, kv head) are one thread block cluster: each block leaves its
@@ -101,6 +103,7 @@ class WgmmaAttentionPlan:
     stages: int = DEFAULT_STAGES  # ring slots of one group's K and V; stages - 1 groups' copies fly ahead
     cluster: int = 0  # > 0: span counts 2, 4, .. cluster run as one cluster that merges itself
     early: int = 0  # 1: span, length and first table entries located before the wait, Q by cp.async after it
+    trigger: int = 0  # 1: the split kernel lets its dependents in once its last copies are issued (0: never)
 
     @property
     def cluster_counts(self) -> tuple[int, ...]:
@@ -138,6 +141,7 @@ def fit_wgmma_attention(
     stages: int = DEFAULT_STAGES,
     cluster: int = 0,
     early: int = 0,
+    trigger: int = 0,
 ) -> WgmmaAttentionPlan:
     """The plan for `spec` (which `wgmma_attention_fits` `target`) with these knobs, checked."""
     if not 1 <= splits <= 256:
@@ -159,8 +163,13 @@ def fit_wgmma_attention(
             f"{AttentionWgmmaRule.name} knob early={early}: expected 0 (everything located after the wait for "
             "inputs) or 1 (the span and the first table entries before it, Q copied by cp.async after it)"
         )
+    if trigger not in (0, 1):
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob trigger={trigger}: expected 0 (the merge kernel comes in as the split's "
+            "blocks exit) or 1 (once every split block has issued its last copies)"
+        )
     # the cluster merge's tile always fits: 64 · (head_dim + 8) floats against (1 + 2 · stages) · 64 · head_dim bf16
-    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster, early)
+    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster, early, trigger)
     if stages < 2:
         raise ScheduleError(
             f"{AttentionWgmmaRule.name} knob stages={stages}: expected 2 or more ring slots (one group multiplied "
@@ -244,6 +253,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                 copy16(sm[dst + atoms * TILE], v[s * blk + key - n, g * dim + d0])
 
     early = bool(plan.early)
+    trigger = bool(plan.trigger)
 
     def split_macro(cluster: int) -> Any:
         # cluster 0: the split kernel, partial results to the workspaces; else the kernel of `cluster` spans
@@ -304,8 +314,9 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                                 prefetch_group(pt, kv, g, n_early, start + j * KEYS, end, tid)
                                     if early and groups > 0:
                                         read_table(pt, block_table, s, length[0], start, end, tid)
-                                    # waits first (dependent_launch.py); the split kernel never triggers, as the
-                                    # mma kernel, and a cluster kernel only once its keys are done
+                                    # waits first (dependent_launch.py); the split kernel triggers only with
+                                    # `trigger`, once its last copies are out, and a cluster kernel once its keys
+                                    # are done
                                     T.evaluate(T.call_extern("void", WAIT))
                                     n: T.let[T.int32] = length[0] if early else cache_lens[s]
                                     if not early:
@@ -343,6 +354,9 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                         T.evaluate(T.ptx["cp.async.commit_group"]())
                                     if ahead < groups:
                                         read_table(pt, block_table, s, n, start + ahead * KEYS, end, tid)
+                                    if cluster == 0 and trigger and groups <= ahead:
+                                        # every copy is out: the merge grid may come in and wait beside this one
+                                        T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
                                     for grp in T.serial(groups):
                                         base = T.meta_var(q_elems + grp % stages * slot_elems)
                                         # group grp's copies (this thread's) landed: the younger ones may fly on
@@ -356,6 +370,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                             copy_group(sm, q_elems + nxt % stages * slot_elems, pt, kv, k, v, s, g, n,
                                                        start + nxt * KEYS, end, tid)  # fmt: skip
                                         T.evaluate(T.ptx["cp.async.commit_group"]())
+                                        if cluster == 0 and trigger and nxt == groups - 1:
+                                            T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))  # the last copies
                                         if nxt + 1 < groups:
                                             read_table(pt, block_table, s, n, start + (nxt + 1) * KEYS, end, tid)
                                         for i in T.unroll(4 * nts):
@@ -500,7 +516,10 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     `slots`, the grid a batch's splits aim at (0: off), so a larger batch takes fewer splits; `prefetch`,
     the groups whose cached K/V lines go to L2 before the wait for inputs; `stages`, the slots of the
     cp.async ring (stages - 1 groups' copies in flight beyond the one multiplied); `early` 1, the span and
-    first table entries located before that wait and Q copied by cp.async after it (module docstring).
+    first table entries located before that wait and Q copied by cp.async after it (module docstring);
+    `trigger` 1, the split kernel lets the merge grid in once each block has issued its last group's copies, so
+    the merge's blocks are resident and waiting when the split completes instead of launched then (0: they come
+    in as the split's blocks exit). Not measured yet, so off.
 
     Defaults from the H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, 4096 cached rows, µs the
     split kernel adds over five layers at nb = 8; ms of the bf16 step at nb = 1 / 4 / 8 / 16):
@@ -538,7 +557,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     """
 
     name = "block_attention_wgmma"
-    knob_names = ("splits", "slots", "prefetch", "stages", "cluster", "early")
+    knob_names = ("splits", "slots", "prefetch", "stages", "cluster", "early", "trigger")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {
@@ -548,6 +567,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
             "stages": DEFAULT_STAGES,
             "cluster": DEFAULT_CLUSTER,
             "early": 0,
+            "trigger": 0,
         }
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:

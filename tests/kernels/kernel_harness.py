@@ -138,11 +138,13 @@ def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
     assert early.count("kv_ptr[") == early.count(f"{PREFETCH_L2}((&(kv_ptr["), name
 
 
-def assert_split_waits_and_merge_triggers(source: str, split: str, merge: str, prefetch: bool = False) -> None:
+def assert_split_waits_and_merge_triggers(
+    source: str, split: str, merge: str, prefetch: bool = False, trigger: bool = False
+) -> None:
     """An attention split kernel waits for its inputs before it reads any (with `prefetch`: before it
-    computes with any) and never lets its dependents in early (they would sit resident beside it for its
-    whole run); its merge kernel, a short one, waits and then lets the next grid in, first thing
-    (dependent_launch.py)."""
+    computes with any) and lets its dependents in only with its knob `trigger`, after its wait (else they
+    would sit resident beside it for its whole run); its merge kernel, a short one, waits and then lets the
+    next grid in, first thing (dependent_launch.py)."""
     from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
 
     bodies = {name: source[slice(*span)] for name, span in kernel_bodies(source).items()}
@@ -150,7 +152,7 @@ def assert_split_waits_and_merge_triggers(source: str, split: str, merge: str, p
         assert_only_prefetches_before_the_wait(source, split)
     else:
         assert_only_weights_before_the_wait(source, split)
-    assert LAUNCH_DEPENDENTS not in bodies[split], split
+    assert (LAUNCH_DEPENDENTS in bodies[split]) == trigger, split
     assert bodies[merge].split("\n")[1:3] == [f"  {WAIT}();", f"  {LAUNCH_DEPENDENTS}();"], merge
 
 

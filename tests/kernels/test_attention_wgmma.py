@@ -98,7 +98,9 @@ def test_tiles_are_the_layouts_the_descriptors_describe(dim):
 
 def test_plans_and_knobs():
     knobs = AttentionWgmmaRule().default_knobs(SM90)
-    assert knobs == {"splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0, "early": 0}
+    assert knobs == {
+        "splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0, "early": 0, "trigger": 0
+    }  # fmt: skip
     assert fit_wgmma_attention(QWEN3_8B, SM90, 16, cluster=16).cluster_counts == (2, 4, 8, 16)
     assert fit_wgmma_attention(QWEN3_8B, SM90, 8, cluster=4).cluster_counts == (2, 4)
     assert fit_wgmma_attention(QWEN3_8B, SM90, 16).cluster_counts == ()
@@ -118,6 +120,7 @@ def test_plans_and_knobs():
         ({"cluster": 32}, "cluster=32"),
         ({"cluster": 1}, "cluster=1"),
         ({"early": 2}, "early=2: expected 0 .* or 1"),
+        ({"trigger": 2}, "trigger=2: expected 0 .* or 1"),
         ({"splits": 8, "cluster": 16}, r"min\(splits=8, 16\)"),
         ({"key_warps": 2}, "key_warps"),  # the mma rule's knob: not this rule's
     ):
@@ -133,7 +136,14 @@ def plan_bytes(spec: BlockAttentionSpec, stages: int) -> int:
 @pytest.fixture(scope="module")
 def lowered():
     kernels = [AttentionWgmmaRule().apply(s, SM90) for s in (QWEN3_8B, DFLASH2_SWA, DSPARK, SMALL)]
-    for knobs in ({"stages": 2, "prefetch": 0}, {"stages": 4}, {"early": 1}, {"early": 1, "prefetch": 0}):
+    for knobs in (
+        {"stages": 2, "prefetch": 0},
+        {"stages": 4},
+        {"early": 1},
+        {"early": 1, "prefetch": 0},
+        {"trigger": 1},
+        {"trigger": 1, "stages": 2},
+    ):
         other = AttentionWgmmaRule().apply(QWEN3_8B, SM90, knobs)
         name = other.name + "".join(f"_{k}{v}" for k, v in knobs.items())
         kernels.append(replace(other, name=name, func=other.func.with_attr("global_symbol", name)))
@@ -162,7 +172,7 @@ def test_kernel_table(lowered):
         per_block, threads = merge_blocking(spec)
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
         early = knobs["prefetch"] > 0 or knobs["early"] == 1  # host-written lengths and tables before the wait
-        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, early)
+        assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, early, bool(knobs["trigger"]))
 
 
 def test_both_products_are_warpgroup_mmas(lowered):
@@ -209,6 +219,34 @@ def test_early_locates_before_the_wait_and_copies_right_after_it(lowered):
         else:
             assert "cache_lens_ptr[" in after and q_copies == 0 < q_reads, kernel.name
         assert_only_prefetches_before_the_wait(cuda.source, cuda.functions[kernel.name].kernels[0].name)
+
+
+def test_trigger_lets_the_merge_in_once_per_block_after_its_last_copies(lowered):
+    """With `trigger` 1 every split block calls the trigger exactly once, whatever its group count: after its
+    prologue when that issued every copy, else in the loop right after the commit of the last group's copies.
+    The guards are read out of the generated CUDA and evaluated for 0-12 groups."""
+    import re
+
+    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
+
+    kernels, cuda = lowered
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    triggered = [k for k in kernels if k.knobs["trigger"]]
+    assert len(triggered) == 2
+    for kernel in triggered:
+        split = bodies[cuda.functions[kernel.name].kernels[0].name]
+        guards = re.findall(r"if \(([^{]*)\) \{\n\s*" + LAUNCH_DEPENDENTS + r"\(\);", split)
+        assert len(guards) == split.count(f"{LAUNCH_DEPENDENTS}();") == 2, kernel.name
+        prologue, in_loop = (g.replace("span_ptr[3]", "groups") for g in guards)
+        loop = split.index("for (int grp = 0; grp < span_ptr[3]; ++grp)")
+        assert split.index(WAIT) < split.index(LAUNCH_DEPENDENTS) < loop < split.rindex(LAUNCH_DEPENDENTS)
+        commit = "tvm_builtin_ptx_cp_async_commit_group_async_commit_group();"
+        assert split[: split.rindex(LAUNCH_DEPENDENTS)].rstrip().endswith(f"{commit}\n    if ({guards[1]}) {{")
+        for groups in range(13):
+            calls = eval(prologue, {"groups": groups}) + sum(
+                eval(in_loop, {"groups": groups, "grp": grp}) for grp in range(groups)
+            )
+            assert calls == 1, (kernel.name, groups, prologue, in_loop)
 
 
 def test_nvrtc_keeps_the_warpgroup_mmas_async(lowered):

@@ -64,9 +64,9 @@ def test_gemm_mode_linears_build_for_target(programs, target):
 
 
 def test_knobbed_fp8_build_is_safe_to_launch_dependent():
-    """The Qwen3-8B drafter in FP8 with the warpgroup GEMMs converting into register fragments (wgmma_convert 2)
-    and the attention locating early (early 1): the same checks, the dependent-launch ones included, and the
-    knobs reach every kernel they apply to."""
+    """The Qwen3-8B drafter in FP8 with the warpgroup GEMMs converting into register fragments (wgmma_convert
+    2) and the attention locating early and letting its merge in once its copies are out (early 1, trigger 1):
+    the same checks, the dependent-launch ones included, and the knobs reach every kernel they apply to."""
     from dflash_compiler.kernel_build import build_kernels
     from dflash_compiler.pipeline import optimize
 
@@ -79,12 +79,12 @@ def test_knobbed_fp8_build_is_safe_to_launch_dependent():
     from dflash_compiler.schedules.linear import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
 
     knobs = {rule.name: {"wgmma_convert": 2} for rule in (LinearMmaRule, LinearArgmaxRule, LinearSiluRule)}
-    knobs[AttentionWgmmaRule.name] = {"early": 1}
+    knobs[AttentionWgmmaRule.name] = {"early": 1, "trigger": 1}
     build = build_kernels(program, SM90, knobs=knobs)
     gemms = [k for k in build.kernels.values() if "wgmma_convert" in k.knobs and k.spec.fp8]
     assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == 2 for k in gemms)
     attention = [k for k in build.kernels.values() if k.rule == AttentionWgmmaRule.name]
-    assert attention and all(k.knobs["early"] == 1 for k in attention)
+    assert attention and all(k.knobs["early"] == k.knobs["trigger"] == 1 for k in attention)
     assert build.cuda.source.count(f"{E4M3_A_FRAGMENT}((&") > 0
     _check_build(program, build, SM90)
 
