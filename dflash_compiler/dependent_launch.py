@@ -11,17 +11,18 @@ drains.
 `add_dependent_launch` makes every kernel of a CUDA source safe to launch that way. Two calls split the
 protocol: `dflash_wait_for_inputs()` (`griddepcontrol.wait`) and `dflash_launch_dependents()`
 (`griddepcontrol.launch_dependents`, which lets the next grid in once every block of this one has called it
-or exited). A kernel whose schedule does not call the wait itself gets both, first thing: it is short (a
-norm, an elementwise op, a merge), and the kernel after it, usually a weight stream, starts its weight
-loads while it runs. A kernel whose schedule calls the wait itself also places its trigger, or has none, so
-that its dependents come in only as its blocks exit:
+or exited). A kernel whose schedule does not call the wait itself gets both, first thing: it is short (an
+elementwise op, a gather, a cache write, an argmax), and the kernel after it, usually a weight stream,
+starts its weight loads while it runs. A kernel whose schedule calls the wait itself also places its
+trigger, or has none, so that its dependents come in only as its blocks exit:
 
 * the tensor-core linears issue their first weight loads (`dflash_prefetch_l2`, or `cp.async` into their
   shared-memory slots) before the wait, since weights are never written by a kernel, and trigger once
   their weight is out (the tiled ones at the step that issues their last copies, GEMV mode after its last
   pass's multiplies): the next grid arrives for the stream's tail only;
-* the norms (rmsnorm.py) and head_prep load their weights, and head_prep also its RoPE angles from the
-  host-written positions, before the wait, and trigger right after it;
+* the norms (rmsnorm.py) and head_prep load their weights, head_prep also its RoPE angles from the
+  host-written positions, and the attention merge kernel locates its spans from the host-written lengths
+  and positions, before the wait, and trigger right after it;
 * the attention split kernels do not trigger (the warpgroup one with knob `trigger` does, once its blocks
   have issued their last K/V copies), and before the wait only prefetch their first groups' cached K/V rows
   into L2: the addresses come from the step's lengths and block tables, which the host
@@ -46,6 +47,13 @@ against plain launches in the same run):
 The long kernels keep their late trigger, so that no grid holds warps, registers and shared memory beside
 them for their whole run; what an early one would cost them once grids are spread is not measured.
 
+ptxas treats the wait as an acquire: no load written after it moves above it, but it may schedule a load
+written before it below it, and it does so with the non-coherent loads (`ld.global.nc`) the read-only
+parameters get, in straight-line code (the norms' weights and the attention merge's lengths sat after the
+wait in the sm_90 machine code; those behind a branch, `cp.async` copies and prefetches kept their place).
+A relaxed load (`dflash_load_before_wait`) is ordered with the wait, so such prologues use it;
+`sass.loads_before_wait` reads what a cubin does.
+
 A kernel launched without the attribute has no prerequisite grid, and both instructions do nothing there,
 so the same cubin serves plain launches. Every kernel waits, unconditionally and before it exits, so a grid
 completes only after its predecessor did, and a kernel that reads the output of any earlier kernel of the
@@ -62,6 +70,7 @@ from dflash_compiler.errors import DFlashError
 WAIT = "dflash_wait_for_inputs"
 LAUNCH_DEPENDENTS = "dflash_launch_dependents"
 PREFETCH_L2 = "dflash_prefetch_l2"
+LOAD_BEFORE_WAIT = "dflash_load_before_wait"
 
 PRELUDE = f"""\
 // programmatic dependent launch (dflash_compiler.dependent_launch): no-ops for a plain launch
@@ -70,6 +79,27 @@ __device__ __forceinline__ void {LAUNCH_DEPENDENTS}() {{
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }}
 __device__ __forceinline__ void {PREFETCH_L2}(const void* p) {{ asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }}
+// `bytes` (2, 4, 8 or 16, aligned) from global `src` to `dst` as a relaxed load: ptxas keeps it above the wait
+__device__ __forceinline__ void {LOAD_BEFORE_WAIT}(void* dst, const void* src, int bytes) {{
+  if (bytes == 16) {{
+    uint4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.b32 {{%0, %1, %2, %3}}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src) : "memory");
+    *(uint4*)dst = v;
+  }} else if (bytes == 8) {{
+    uint2 v;
+    asm volatile("ld.relaxed.gpu.global.v2.b32 {{%0, %1}}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(src) : "memory");
+    *(uint2*)dst = v;
+  }} else if (bytes == 4) {{
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(src) : "memory");
+    *(unsigned*)dst = v;
+  }} else {{
+    unsigned short v;
+    asm volatile("ld.relaxed.gpu.global.b16 %0, [%1];" : "=h"(v) : "l"(src) : "memory");
+    *(unsigned short*)dst = v;
+  }}
+}}
 """
 
 # a definition's signature line: launch bounds and a cluster shape (cluster.py) are optional

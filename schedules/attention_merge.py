@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, LOAD_BEFORE_WAIT, WAIT
+
 if TYPE_CHECKING:
     from .attention import BlockAttentionSpec
 
@@ -29,7 +31,7 @@ def span_count(spec: BlockAttentionSpec, splits: int, slots: int, nb: Any) -> An
     return splits if slots <= 0 else T.max(1, T.min(splits, slots // (nb * spec.kv_heads)))
 
 
-def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: int = 0) -> Any:
+def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: int = 0, early: bool = False) -> Any:
     """`split_span(span, s, n, blk_positions, nb)`: span[0] = the first key any query of sequence s can see
     (a window hides older cached rows), span[1] = keys per split: the rest of the keys in equal spans,
     multiples of `chunk`. The split kernels and the merge must agree on it.
@@ -37,19 +39,41 @@ def split_span_macro(spec: BlockAttentionSpec, splits: int, chunk: int, slots: i
     With `slots` > 0 (the grid, in blocks, a batch aims at) a batch of `nb` sequences cuts each (sequence,
     kv head) into only `slots // (nb · kv_heads)` spans (at least 1, at most `splits`): a larger batch keeps
     about the same grid and writes and merges fewer partial rows instead of more; the split kernels launch
-    only those spans (`span_count`)."""
+    only those spans (`span_count`).
+
+    `early`: a kernel calls it before its wait for inputs, so the positions are read with relaxed loads,
+    which stay above the wait in the machine code (dependent_launch.py)."""
     from tvm.script import tirx as T
 
     blk, window = spec.block, spec.window
 
     @T.macro
+    def first_visible(span: Any, s: Any, n: Any, blk_positions: Any) -> None:
+        span[0] = blk_positions[s * blk]
+        for i in T.serial(1, blk):
+            span[0] = T.min(span[0], blk_positions[s * blk + i])
+        span[0] = T.max(0, T.min(n, span[0] - window + 1))
+
+    @T.macro
+    def first_visible_early(span: Any, s: Any, n: Any, blk_positions: Any) -> None:
+        pos = T.sblock_alloc_buffer((blk,), "int32", scope="local")
+        for i in T.unroll(blk):
+            T.evaluate(T.call_extern(
+                "void", LOAD_BEFORE_WAIT, pos.access_ptr("w", offset=i, extent=1),
+                T.address_of(blk_positions[s * blk + i]), 4,
+            ))  # fmt: skip
+        span[0] = pos[0]
+        for i in T.unroll(1, blk):
+            span[0] = T.min(span[0], pos[i])
+        span[0] = T.max(0, T.min(n, span[0] - window + 1))
+
+    visible = first_visible_early if early else first_visible
+
+    @T.macro
     def split_span(span: Any, s: Any, n: Any, blk_positions: Any, nb: Any) -> None:
         span[0] = 0
         if window is not None:
-            span[0] = blk_positions[s * blk]
-            for i in T.serial(1, blk):
-                span[0] = T.min(span[0], blk_positions[s * blk + i])
-            span[0] = T.max(0, T.min(n, span[0] - window + 1))
+            visible(span, s, n, blk_positions)
         span[1] = T.ceildiv(T.ceildiv(n + blk - span[0], span_count(spec, splits, slots, nb)), chunk) * chunk
 
     return split_span
@@ -80,7 +104,13 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     branch went out one split at a time, a round trip each: 11.3 µs for one sequence of 4096 keys on an
     H200 (Nsight Compute), 8.1 µs now. A batch whose `slots` leave it at most 4 or 8 used splits takes one
     pass of that width instead (a runtime branch to a copy of the pass), so it does not load and weigh the
-    clamped duplicates of a 16-wide pass."""
+    clamped duplicates of a 16-wide pass.
+
+    After the wait for inputs a merge of one pass (at most 16 splits) makes one round trip to memory: its
+    spans come from the host-written lengths and positions before the wait, and the pass loads every
+    split's (max, sum) and outputs at once. Splitting the pass into the max's loads and then the weighted
+    sums' loads, and locating the spans after the wait, had it wait for three round trips one after the
+    other (the sm_90 SASS: the length's load, then the maxima's, then the outputs' behind the first ex2)."""
     from tvm.script import tirx as T
 
     blk, heads, dim, group = spec.block, spec.heads, spec.head_dim, spec.group
@@ -89,7 +119,7 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     unroll = min(splits, 16)
     passes = -(-splits // unroll)
     local = "local" if device else "global"
-    split_span = split_span_macro(spec, splits, chunk, slots)
+    split_span = split_span_macro(spec, splits, chunk, slots, early=device)
 
     def grid(n: Any, tag: str) -> Any:
         return T.thread_binding(n, thread=tag) if device else T.serial(n)
@@ -99,7 +129,10 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
 
     def combine_macro(width: int, rounds: int) -> Any:
         """Splits [0, width · rounds) in `rounds` passes of `width`: the running max first, then the weighted
-        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing."""
+        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing. One pass
+        loads every (max, sum) and output at once, so the merge waits for one round trip, not two."""
+        if rounds == 1:
+            return one_pass_macro(width)
 
         @T.macro
         def combine(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
@@ -133,6 +166,30 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
 
         return combine
 
+    def one_pass_macro(width: int) -> Any:
+        @T.macro
+        def one_pass(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
+            for u in T.unroll(width):
+                sp = T.meta_var(T.min(u, used[0] - 1))
+                for j in T.unroll(2):
+                    ml[t, u, j] = part_ml[s, kvh, sp, r, j]
+                for x in T.unroll(per):
+                    po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
+            mstat[t, 0] = T.float32(NEG)
+            for u in T.unroll(width):
+                mstat[t, 0] = T.max(mstat[t, 0], T.Select(u < used[0], ml[t, u, 0], T.float32(NEG)))
+            mstat[t, 1] = T.float32(0)
+            for x in T.unroll(per):
+                macc[t, x] = T.float32(0)
+            for u in T.unroll(width):
+                ok = T.meta_var(u < used[0])  # an unused split's slot holds anything, NaN included
+                mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(NEG)) - mstat[t, 0])
+                mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
+                for x in T.unroll(per):
+                    macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
+
+        return one_pass
+
     # a batch that uses few of the splits (`slots`) takes the narrowest pass that holds them
     narrow = sorted(w for w in MERGE_WIDTHS if w < unroll)
     every = combine_macro(unroll, passes)
@@ -148,14 +205,26 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
                         T.reads()
                         T.writes()
                         used = T.sblock_alloc_buffer((2,), "int32", scope=local)
+                        lens = T.sblock_alloc_buffer((1,), "int32", scope=local)
                         mstat = T.sblock_alloc_buffer((mt, 3), "float32", scope=local)  # max, sum, weight
                         macc = T.sblock_alloc_buffer((mt, per), "float32", scope=local)
                         # one pass's loads: (max, sum) and the thread's outputs of every split of the pass
                         ml = T.sblock_alloc_buffer((mt, unroll, 2), "float32", scope=local)
                         po = T.sblock_alloc_buffer((mt, unroll, per), "float32", scope=local)
-                        # only the first ceil(keys / span) splits saw keys
-                        split_span(used, s, cache_lens[s], blk_positions, nb)
-                        used[0] = T.ceildiv(cache_lens[s] + blk - used[0], used[1])
+                        # only the first ceil(keys / span) splits saw keys; the lengths and positions are
+                        # the host's (no kernel of the step writes them), so this is done before the wait,
+                        # with relaxed loads, which stay there in the machine code (dependent_launch.py)
+                        if device:
+                            T.evaluate(T.call_extern(
+                                "void", LOAD_BEFORE_WAIT, lens.access_ptr("w", extent=1), T.address_of(cache_lens[s]), 4
+                            ))  # fmt: skip
+                        else:
+                            lens[0] = cache_lens[s]
+                        split_span(used, s, lens[0], blk_positions, nb)
+                        used[0] = T.ceildiv(lens[0] + blk - used[0], used[1])
+                        if device:  # then the split kernel's partial results, and the next grid may come in
+                            T.evaluate(T.call_extern("void", WAIT))
+                            T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
                         for t in lanes(mt):
                             hd = T.meta_var(hb * per_block + t // vecs)
                             kvh = T.meta_var(hd // group)

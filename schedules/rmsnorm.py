@@ -6,8 +6,9 @@ as the numpy reference interpreter does, not the bf16-rounded `s`.
 
 Schedule (`rmsnorm_kernel`, TVMScript): one thread block per row, the row held in registers from load to
 store, 16-byte vector accesses. The weight is loaded before the wait for the grid that writes the inputs,
-so after the wait the kernel reads its inputs once and makes no other trip to memory; the sum of squares is
-a warp butterfly plus one exchange through shared memory.
+by relaxed loads, which ptxas keeps above the wait (plain read-only loads it scheduled below it:
+dependent_launch.py), so after the wait the kernel reads its inputs once and makes no other trip to memory;
+the sum of squares is a warp butterfly plus one exchange through shared memory.
 
 In a drafter step these kernels sit between weight streams (twice per layer), so their latency is what
 counts. H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, one run, against the TE schedule that
@@ -15,7 +16,8 @@ staged the row's f32 sum in shared memory and loaded the weight after the reduct
 rmsnorm_residual launches add 16.5 µs to the step instead of 34.7 at nb = 1 (26.8 against 31.6 at nb = 8),
 yet the step is unchanged (bf16 961.2 against 960.4 µs at nb = 1, 1399.2 against 1400.0 at nb = 8; FP8
 651.2 against 648.9): the GEMV after a norm has its first weight slots in flight before its wait, and the
-time the norm gives back goes into that GEMV's stream.
+time the norm gives back goes into that GEMV's stream. (Those figures are of machine code that loaded the
+weight after the wait: plain loads then.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
+from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, LOAD_BEFORE_WAIT, WAIT
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
 
@@ -179,10 +181,13 @@ def rmsnorm_kernel(spec: RMSNormSpec, threads: int, vector: int, warp: int) -> A
 
     @T.macro
     def load_weight(dst, w, tid):
+        # relaxed loads: ptxas would schedule plain read-only ones after the wait (dependent_launch.py)
         for c in T.unroll(per):
             if active(c, tid):
-                for v in T.vectorized(vector):
-                    dst[c * vector + v] = w[column(c, tid) + v]
+                T.evaluate(T.call_extern(
+                    "void", LOAD_BEFORE_WAIT, dst.access_ptr("w", offset=c * vector, extent=vector),
+                    T.address_of(w[column(c, tid)]), vector * _ELEMENT_BYTES,
+                ))  # fmt: skip
 
     @T.macro
     def norm(total, wl, stage, y, shared, row, tid):

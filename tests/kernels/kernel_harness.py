@@ -94,7 +94,7 @@ def kernel_body(source: str, name: str) -> str:
     return found.group(1)
 
 
-def _before_the_wait(source: str, name: str) -> tuple[str, str, set[str]]:
+def before_the_wait(source: str, name: str) -> tuple[str, str, set[str]]:
     """Kernel `name`'s body, the part of it before its one wait for inputs, and the pointer parameters that
     part mentions."""
     import re
@@ -120,7 +120,7 @@ def assert_only_weights_before_the_wait(
     does so after its wait."""
     from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS
 
-    body, early, touched = _before_the_wait(source, name)
+    body, early, touched = before_the_wait(source, name)
     trigger = body.find(f"{LAUNCH_DEPENDENTS}();")
     assert trigger == -1 or trigger > len(early), name
     assert touched <= unwritten, (name, touched - unwritten)
@@ -133,7 +133,7 @@ def assert_only_prefetches_before_the_wait(source: str, name: str) -> None:
     output before the wait."""
     from dflash_compiler.dependent_launch import PREFETCH_L2
 
-    _, early, touched = _before_the_wait(source, name)
+    _, early, touched = before_the_wait(source, name)
     assert touched <= {"cache_lens_ptr", "block_table_ptr", "blk_positions_ptr", "kv_ptr"}, (name, touched)
     assert early.count("kv_ptr[") == early.count(f"{PREFETCH_L2}((&(kv_ptr["), name
 
@@ -143,9 +143,12 @@ def assert_split_waits_and_merge_triggers(
 ) -> None:
     """An attention split kernel waits for its inputs before it reads any (with `prefetch`: before it
     computes with any) and lets its dependents in only with its knob `trigger`, after its wait (else they
-    would sit resident beside it for its whole run); its merge kernel, a short one, waits and then lets the
-    next grid in, first thing (dependent_launch.py)."""
-    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bodies
+    would sit resident beside it for its whole run); its merge kernel, a short one, reads only the step's
+    lengths and positions before its wait, those with relaxed loads (which stay above the wait in the machine
+    code), and lets the next grid in right after the wait (dependent_launch.py)."""
+    import re
+
+    from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, LOAD_BEFORE_WAIT, WAIT, kernel_bodies
 
     bodies = {name: source[slice(*span)] for name, span in kernel_bodies(source).items()}
     if prefetch:
@@ -153,7 +156,11 @@ def assert_split_waits_and_merge_triggers(
     else:
         assert_only_weights_before_the_wait(source, split)
     assert (LAUNCH_DEPENDENTS in bodies[split]) == trigger, split
-    assert bodies[merge].split("\n")[1:3] == [f"  {WAIT}();", f"  {LAUNCH_DEPENDENTS}();"], merge
+    body, early, touched = before_the_wait(source, merge)
+    assert touched and touched <= {"cache_lens_ptr", "blk_positions_ptr"}, (merge, touched)
+    reads = re.findall(r"\b(?:cache_lens|blk_positions)_ptr\[", early)
+    assert len(reads) == early.count(f"{LOAD_BEFORE_WAIT}("), merge  # every one a relaxed load
+    assert body[len(early) :].startswith(f"{WAIT}();\n  {LAUNCH_DEPENDENTS}();"), merge
 
 
 def assert_split_grid_is_the_used_spans(split, spec, splits: int, slots: int, env: Mapping[str, int]) -> None:

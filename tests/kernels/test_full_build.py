@@ -9,7 +9,11 @@ append), so the real-shape examples build the kernels they would deploy.
 from __future__ import annotations
 
 import pytest
-from kernel_harness import assert_only_prefetches_before_the_wait, assert_only_weights_before_the_wait
+from kernel_harness import (
+    assert_only_prefetches_before_the_wait,
+    assert_only_weights_before_the_wait,
+    before_the_wait,
+)
 
 from dflash_compiler.checkpoint import example_config_path, list_examples
 from dflash_compiler.config import load_drafter_config
@@ -17,6 +21,8 @@ from dflash_compiler.ir.graph import eval_dim
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.options import BuildOptions
 from dflash_compiler.runtime.expr import evaluate
+from dflash_compiler.sass import WAIT as WAIT_SASS
+from dflash_compiler.sass import kernel_opcodes, loads_before_wait
 from dflash_compiler.targets import SM90, SM120, SM121, STATIC_SHARED_MEMORY_LIMIT
 
 pytest.importorskip("tvm")
@@ -113,6 +119,12 @@ def _check_build(program, build, target):
             assert_only_prefetches_before_the_wait(build.cuda.source, name)
         else:
             assert_only_weights_before_the_wait(build.cuda.source, name, unwritten.get(name, frozenset()))
+    # what a kernel reads before its wait in the source, its machine code issues before the wait too
+    opcodes = kernel_opcodes(build.cubin)
+    for name in launched:
+        _, _, reads_early = before_the_wait(build.cuda.source, name)  # the pointer parameters it touches
+        assert opcodes[name].count(WAIT_SASS) == 1, name
+        assert (loads_before_wait(opcodes[name]) > 0) == bool(reads_early), (name, reads_early)
     for phase, plan in build.plans.items():
         maxima = dict(program.phases[phase].meta["memory"].bindings)
         for call in plan.calls:

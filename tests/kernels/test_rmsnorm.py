@@ -176,11 +176,21 @@ def _kernel_body(source: str, name: str) -> str:
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_weight_is_loaded_before_the_wait_and_the_row_once_after_it(residual):
-    """After the wait the kernel reads each input once, all before its one barrier (module docstring)."""
+    """The weight is read before the wait by a relaxed load, which the machine code keeps there (a plain
+    read-only load ptxas scheduled after it); after the wait the kernel reads each input once, all before its
+    one barrier (module docstring)."""
+    from dflash_compiler.dependent_launch import LOAD_BEFORE_WAIT
+    from dflash_compiler.nvrtc import compile_cubin
+    from dflash_compiler.sass import kernel_opcodes, loads_before_wait
+
     kernel = RMSNormRule().apply(_node(Op.RMSNORM_RESIDUAL if residual else Op.RMSNORM), SM90)
-    body = _kernel_body(lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90).source, kernel.name)
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
+    body = _kernel_body(cuda.source, kernel.name)
     wait, trigger = body.index("dflash_wait_for_inputs();"), body.index("dflash_launch_dependents();")
-    assert body.count("*(uint4*)(w_ptr") == 1 and body.index("*(uint4*)(w_ptr") < wait < trigger
+    weight = body.index(f"{LOAD_BEFORE_WAIT}((&(wl_ptr[0])), (&(w_ptr[")
+    assert body.count("w_ptr[") == body.count(LOAD_BEFORE_WAIT) == 1 and weight < wait < trigger
+    (opcodes,) = kernel_opcodes(compile_cubin(cuda.source, SM90.arch)).values()
+    assert loads_before_wait(opcodes) == 1  # the weight's one 16-byte load a thread
     inputs = ("a_ptr", "b_ptr") if residual else ("x_ptr",)
     for name in inputs:
         assert body.count(f"*(uint4*)({name}") == 1 and trigger < body.index(f"*(uint4*)({name}")
