@@ -106,11 +106,12 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     pass of that width instead (a runtime branch to a copy of the pass), so it does not load and weigh the
     clamped duplicates of a 16-wide pass.
 
-    After the wait for inputs a merge of one pass (at most 16 splits) makes one round trip to memory: its
-    spans come from the host-written lengths and positions before the wait, and the pass loads every
-    split's (max, sum) and outputs at once. Splitting the pass into the max's loads and then the weighted
-    sums' loads, and locating the spans after the wait, had it wait for three round trips one after the
-    other (the sm_90 SASS: the length's load, then the maxima's, then the outputs' behind the first ex2)."""
+    A merge of one pass (at most 16 splits) locates its spans from the host-written lengths and positions
+    before the wait for inputs, and its pass asks for every split's (max, sum) and outputs before it uses any.
+    With the spans located after the wait and the pass split into the max's loads, then the weighted sums'
+    loads, it waited for three round trips one after the other (sm_90 SASS: the length's load, the maxima's,
+    then the outputs' behind the first exp2); now the 4- and 8-wide passes wait for one, and in the 16-wide
+    one ptxas issues the last 28 of its 96 loads after the first exp2 (96 registers), so it waits for two."""
     from tvm.script import tirx as T
 
     blk, heads, dim, group = spec.block, spec.heads, spec.head_dim, spec.group
@@ -129,8 +130,8 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
 
     def combine_macro(width: int, rounds: int) -> Any:
         """Splits [0, width · rounds) in `rounds` passes of `width`: the running max first, then the weighted
-        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing. One pass
-        loads every (max, sum) and output at once, so the merge waits for one round trip, not two."""
+        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing. A single
+        pass asks for every (max, sum) and output before it uses any (`one_pass_macro`)."""
         if rounds == 1:
             return one_pass_macro(width)
 
