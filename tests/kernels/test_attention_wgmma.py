@@ -153,7 +153,7 @@ def lowered():
 def test_kernel_table(lowered):
     """Split and merge kernels with the mma kernel's workspaces; one warpgroup per (split, kv head,
     sequence), the Q tile and the ring in dynamic shared memory; the split waits first (after its L2
-    prefetches) and never lets its dependents in."""
+    prefetches) and lets its dependents in only with `trigger`."""
     kernels, cuda = lowered
     for kernel in kernels:
         spec, knobs = kernel.spec, kernel.knobs
