@@ -46,3 +46,15 @@ def test_a_relaxed_load_stays_above_the_wait(opcodes):
     assert loads_before_wait(opcodes["relaxed"]) == 1  # w's, not x's
     assert loads_before_wait(opcodes["waits_first"]) == 0
     assert loads_before_wait(("LDG", "CCTL", "LDGSTS", "FFMA")) == 3  # no wait: every load counts
+
+
+def test_a_missing_or_failing_disassembler_says_what_to_do(monkeypatch):
+    import cuda.pathfinder as pf
+
+    from dflash_compiler.sass import SassError
+
+    with pytest.raises(SassError, match="nvdisasm failed on a 64-byte cubin"):
+        kernel_opcodes(b"\x7fELF" + bytes(60))
+    monkeypatch.setattr(pf, "find_nvidia_binary_utility", lambda name: None)
+    with pytest.raises(SassError, match="pip install nvidia-cuda-nvdisasm"):
+        kernel_opcodes(b"")
