@@ -38,7 +38,8 @@ after it Q goes to shared memory by `cp.async` beside the first group's copies: 
 leave right after the wait, not behind the length, span, Q and table loads that each waited for the one
 before (rows of Q in registers first, then in shared memory, block the copies after them). With knob
 `trigger` each block lets the merge grid in once it has issued its last group's copies (after its prologue
-when that held them all), so the merge kernel is resident and waiting when the split completes.
+when that held them all), so the merge grid is launched while the split's last groups run, and its blocks
+wait on the SMs the split's blocks leave, instead of the grid being launched when the split completes.
 
 With knob `cluster` (a power of two up to 16) a batch whose span count is 2, 4, .. `cluster` launches
 instead one kernel whose spans of a (sequence, kv head) are one thread block cluster: each block leaves its
@@ -355,7 +356,7 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                     if ahead < groups:
                                         read_table(pt, block_table, s, n, start + ahead * KEYS, end, tid)
                                     if cluster == 0 and trigger and groups <= ahead:
-                                        # every copy is out: the merge grid may come in and wait beside this one
+                                        # every copy is out: the merge grid may be launched
                                         T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
                                     for grp in T.serial(groups):
                                         base = T.meta_var(q_elems + grp % stages * slot_elems)
@@ -518,8 +519,11 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     cp.async ring (stages - 1 groups' copies in flight beyond the one multiplied); `early` 1, the span and
     first table entries located before that wait and Q copied by cp.async after it (module docstring);
     `trigger` 1, the split kernel lets the merge grid in once each block has issued its last group's copies, so
-    the merge's blocks are resident and waiting when the split completes instead of launched then (0: they come
-    in as the split's blocks exit). Not measured yet, so off.
+    the merge grid is launched before the split completes and its blocks take the SMs the split's blocks leave
+    (0: it is launched as the last split block exits). On the H200 no merge block fits beside a split block
+    at nb = 1 or 8: the split's 116,736-byte blocks fill an SM's 233,472 bytes of shared memory two at a time
+    at nb = 8, and at nb = 1 both grids claim 116,864 bytes a block to spread (runtime/placement.py). Not
+    measured yet, so off.
 
     Defaults from the H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, 4096 cached rows, µs the
     split kernel adds over five layers at nb = 8; ms of the bf16 step at nb = 1 / 4 / 8 / 16):
