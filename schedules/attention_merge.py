@@ -128,12 +128,50 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     def lanes(n: int) -> Any:
         return T.thread_binding(n, thread="threadIdx.x") if device else T.serial(n)
 
+    def passes_macros(width: int) -> tuple[Any, Any]:
+        """(load, weigh) of one pass of `width` splits from split `first`: `load` asks for every split's
+        (max, sum) and outputs, the splits past used[0] re-reading the last used one; `weigh` adds them, with
+        weights 2^(max - the running max mstat[t, 0]), into the sums mstat[t, 1] and macc, the unused ones
+        weighing nothing."""
+
+        @T.macro
+        def load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, first):
+            for u in T.unroll(width):
+                sp = T.meta_var(T.min(first + u, used[0] - 1))
+                for j in T.unroll(2):
+                    ml[t, u, j] = part_ml[s, kvh, sp, r, j]
+                # scalar loads: a float4 access would retype the workspace
+                for x in T.unroll(per):
+                    po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
+
+        @T.macro
+        def weigh(ml, po, mstat, macc, used, t, first):
+            for u in T.unroll(width):
+                # an unused split's slot holds anything, NaN included: select, never scale
+                ok = T.meta_var(first + u < used[0])
+                mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(NEG)) - mstat[t, 0])
+                mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
+                for x in T.unroll(per):
+                    macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
+
+        return load, weigh
+
     def combine_macro(width: int, rounds: int) -> Any:
         """Splits [0, width · rounds) in `rounds` passes of `width`: the running max first, then the weighted
-        sums of (sum, outputs); splits past used[0] re-read the last used one and weigh nothing. A single
-        pass asks for every (max, sum) and output before it uses any (`one_pass_macro`)."""
-        if rounds == 1:
-            return one_pass_macro(width)
+        sums of (sum, outputs). A single pass asks for every (max, sum) and output before it uses any; more
+        load the maxima for the max first, then each pass again for its sums."""
+        load, weigh = passes_macros(width)
+
+        @T.macro
+        def one_pass(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
+            load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, 0)
+            mstat[t, 0] = T.float32(NEG)
+            for u in T.unroll(width):
+                mstat[t, 0] = T.max(mstat[t, 0], T.Select(u < used[0], ml[t, u, 0], T.float32(NEG)))
+            mstat[t, 1] = T.float32(0)
+            for x in T.unroll(per):
+                macc[t, x] = T.float32(0)
+            weigh(ml, po, mstat, macc, used, t, 0)
 
         @T.macro
         def combine(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
@@ -150,46 +188,10 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
             for x in T.unroll(per):
                 macc[t, x] = T.float32(0)
             for sp0 in T.serial(rounds):
-                for u in T.unroll(width):
-                    sp = T.meta_var(T.min(sp0 * width + u, used[0] - 1))
-                    for j in T.unroll(2):
-                        ml[t, u, j] = part_ml[s, kvh, sp, r, j]
-                    # scalar loads: a float4 access would retype the workspace
-                    for x in T.unroll(per):
-                        po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
-                for u in T.unroll(width):
-                    # an unused split's slot holds anything, NaN included: select, never scale
-                    ok = T.meta_var(sp0 * width + u < used[0])
-                    mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(NEG)) - mstat[t, 0])
-                    mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
-                    for x in T.unroll(per):
-                        macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
+                load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, sp0 * width)
+                weigh(ml, po, mstat, macc, used, t, sp0 * width)
 
-        return combine
-
-    def one_pass_macro(width: int) -> Any:
-        @T.macro
-        def one_pass(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
-            for u in T.unroll(width):
-                sp = T.meta_var(T.min(u, used[0] - 1))
-                for j in T.unroll(2):
-                    ml[t, u, j] = part_ml[s, kvh, sp, r, j]
-                for x in T.unroll(per):
-                    po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
-            mstat[t, 0] = T.float32(NEG)
-            for u in T.unroll(width):
-                mstat[t, 0] = T.max(mstat[t, 0], T.Select(u < used[0], ml[t, u, 0], T.float32(NEG)))
-            mstat[t, 1] = T.float32(0)
-            for x in T.unroll(per):
-                macc[t, x] = T.float32(0)
-            for u in T.unroll(width):
-                ok = T.meta_var(u < used[0])  # an unused split's slot holds anything, NaN included
-                mstat[t, 2] = T.exp2(T.Select(ok, ml[t, u, 0], T.float32(NEG)) - mstat[t, 0])
-                mstat[t, 1] = mstat[t, 1] + T.Select(ok, mstat[t, 2] * ml[t, u, 1], T.float32(0))
-                for x in T.unroll(per):
-                    macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
-
-        return one_pass
+        return one_pass if rounds == 1 else combine
 
     # a batch that uses few of the splits (`slots`) takes the narrowest pass that holds them
     narrow = sorted(w for w in MERGE_WIDTHS if w < unroll)
