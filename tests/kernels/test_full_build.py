@@ -73,17 +73,16 @@ def test_knobbed_fp8_build_is_safe_to_launch_dependent():
     """The Qwen3-8B drafter in FP8 with the warpgroup GEMMs converting into register fragments (wgmma_convert
     2) and the attention locating early and letting its merge in once its copies are out (early 1, trigger 1):
     the same checks, the dependent-launch ones included, and the knobs reach every kernel they apply to."""
+    from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT
     from dflash_compiler.kernel_build import build_kernels
     from dflash_compiler.pipeline import optimize
+    from dflash_compiler.schedules.attention_wgmma import AttentionWgmmaRule
+    from dflash_compiler.schedules.linear import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
 
     program = optimize(
         load_drafter_config(example_config_path("qwen3-8b-dflash-b16")),
         BuildOptions(**{**OPTIONS.model_dump(), "precision": "fp8"}),
     )
-    from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT
-    from dflash_compiler.schedules.attention_wgmma import AttentionWgmmaRule
-    from dflash_compiler.schedules.linear import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
-
     knobs = {rule.name: {"wgmma_convert": 2} for rule in (LinearMmaRule, LinearArgmaxRule, LinearSiluRule)}
     knobs[AttentionWgmmaRule.name] = {"early": 1, "trigger": 1}
     build = build_kernels(program, SM90, knobs=knobs)
