@@ -139,7 +139,8 @@ GEMM_ODD_ROWS = (33, 70, 130, 300)
 # cases: ragged n, rows of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8
 # splits), slots of two atoms, one to three warpgroups, 40-, 64- and 256-row x tiles, a producer warp (roles 2)
 # with one or two groups in flight, two to four slots, fewer slots than a split has and more, and e4m3 weights
-# converted into register fragments (convert 2, built for e4m3 weights only: bf16 ones have nothing to convert)
+# converted into a shared bf16 tile (convert 1; their default converts into register fragments), built for e4m3
+# weights only: bf16 ones have nothing to convert
 WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
 WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16), ("matmul_fp8", 200, 256, FP8),
              ("lm_head", 384, 512, FP8))  # fmt: skip
@@ -147,9 +148,9 @@ WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1
                       (1, 64, 4, 2, 2, 2), (2, 64, 3, 2, 2, 1, 2), (1, 40, 3, 1, 4, 2, 2), (3, 128, 3, 1, 8, 1, 2),
                       (2, 256, 2, 1, 4, 1, 2), (1, 40, 3, 2, 1, 1, 1, 2), (2, 64, 3, 2, 2, 2, 1, 2),
                       (3, 128, 4, 1, 1, 2, 1, 2), (1, 128, 2, 1, 4, 1, 1, 2), (2, 256, 3, 1, 2, 1, 1, 2),
-                      (1, 128, 2, 1, 1, 1, 1, 1, 2), (2, 64, 3, 2, 2, 2, 1, 1, 2), (1, 40, 3, 1, 1, 2, 1, 1, 2),
-                      (3, 128, 3, 1, 1, 2, 1, 1, 2), (1, 256, 3, 1, 4, 2, 1, 1, 2), (2, 64, 3, 1, 4, 2, 2, 1, 2),
-                      (1, 40, 3, 2, 2, 2, 1, 2, 2), (2, 128, 3, 1, 2, 1, 1, 2, 2))  # fmt: skip
+                      (1, 128, 2, 1, 1, 1, 1, 1, 1), (2, 64, 3, 2, 2, 2, 1, 1, 1), (1, 40, 3, 1, 1, 2, 1, 1, 1),
+                      (3, 128, 3, 1, 1, 2, 1, 1, 1), (1, 256, 3, 1, 4, 2, 1, 1, 1), (2, 64, 3, 1, 4, 2, 2, 1, 1),
+                      (1, 40, 3, 2, 2, 2, 1, 2, 1), (2, 128, 3, 1, 2, 1, 1, 2, 1))  # fmt: skip
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
@@ -194,7 +195,7 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.schedules.base import ScheduleError
     from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule, few_rows_knobs
     from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
-    from dflash_compiler.schedules.linear_wgmma import CONVERT_REGISTERS, WGMMA_KNOBS
+    from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS
     from dflash_compiler.targets import get_target
 
     target = get_target(args.target)
@@ -242,7 +243,7 @@ def build(args: argparse.Namespace) -> None:
     def add_wgmma(label: str, spec: LinearSpec, variants: Iterable[tuple[int, ...]], rows: Iterable[int],
                   timed: bool = True) -> None:  # fmt: skip
         for values in variants:
-            if values[8:] == (CONVERT_REGISTERS,) and spec.weight_dtype != FP8:
+            if values[8:] and spec.weight_dtype != FP8:
                 continue
             knobs = {
                 "gemm_rows": 32,

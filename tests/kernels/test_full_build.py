@@ -69,11 +69,14 @@ def test_gemm_mode_linears_build_for_target(programs, target):
     _check_build(program, build, target)
 
 
-def test_knobbed_fp8_build_is_safe_to_launch_dependent():
-    """The Qwen3-8B drafter in FP8 with the warpgroup GEMMs converting into register fragments (wgmma_convert
-    2) and the attention locating early and letting its merge in once its copies are out (early 1, trigger 1):
-    the same checks, the dependent-launch ones included, and the knobs reach every kernel they apply to."""
-    from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT
+@pytest.mark.parametrize("convert", [None, 1], ids=["registers-by-default", "tile-by-knob"])
+def test_knobbed_fp8_build_is_safe_to_launch_dependent(convert):
+    """The Qwen3-8B drafter in FP8, its warpgroup GEMMs converting e4m3 into register fragments (the default)
+    or into a shared bf16 tile (wgmma_convert 1), and the attention locating early and letting its merge in
+    once its copies are out (early 1, trigger 1): the same checks, the dependent-launch ones included, and
+    the knobs reach every kernel they apply to."""
+    from dflash_compiler.dependent_launch import kernel_bodies
+    from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
     from dflash_compiler.kernel_build import build_kernels
     from dflash_compiler.pipeline import optimize
     from dflash_compiler.schedules.attention_wgmma import AttentionWgmmaRule
@@ -83,14 +86,18 @@ def test_knobbed_fp8_build_is_safe_to_launch_dependent():
         load_drafter_config(example_config_path("qwen3-8b-dflash-b16")),
         BuildOptions(**{**OPTIONS.model_dump(), "precision": "fp8"}),
     )
-    knobs = {rule.name: {"wgmma_convert": 2} for rule in (LinearMmaRule, LinearArgmaxRule, LinearSiluRule)}
+    rules = (LinearMmaRule, LinearArgmaxRule, LinearSiluRule)
+    knobs = {rule.name: {"wgmma_convert": convert} for rule in rules} if convert else {}
     knobs[AttentionWgmmaRule.name] = {"early": 1, "trigger": 1}
     build = build_kernels(program, SM90, knobs=knobs)
     gemms = [k for k in build.kernels.values() if "wgmma_convert" in k.knobs and k.spec.fp8]
-    assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == 2 for k in gemms)
+    assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == (convert or 2) for k in gemms)
     attention = [k for k in build.kernels.values() if k.rule == AttentionWgmmaRule.name]
     assert attention and all(k.knobs["early"] == k.knobs["trigger"] == 1 for k in attention)
-    assert build.cuda.source.count(f"{E4M3_A_FRAGMENT}((&") > 0
+    assert (build.cuda.source.count(f"{E4M3_A_FRAGMENT}((&") > 0) == (convert is None)
+    # the tile form converts in the warpgroup GEMMs' k loops (the few-rows kernels convert e4m3 either way)
+    bodies = [build.cuda.source[slice(*span)] for span in kernel_bodies(build.cuda.source).values()]
+    assert any(f"{E4M3X4_TO_BF16}(" in body and "wgmma" in body for body in bodies) == (convert == 1)
     _check_build(program, build, SM90)
 
 

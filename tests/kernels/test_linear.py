@@ -33,7 +33,7 @@ from dflash_compiler.schedules.linear import (
     spec_of,
 )
 from dflash_compiler.schedules.linear_mma import mma_gemv_func
-from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS, WgmmaPlan
+from dflash_compiler.schedules.linear_wgmma import CONVERT_TILE, WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90, SM120, SM121
 from dflash_compiler.wgmma import COMMIT as WGMMA_COMMIT
 from dflash_compiler.wgmma import FENCE as WGMMA_FENCE
@@ -583,7 +583,8 @@ def assert_triggers_after_its_last_weight_copies(body: str, spec: LinearSpec, pl
         (LinearSpec("matmul", 4096, 4096), WgmmaPlan(1, 128, 4, 1, 4)),
         # ragged n and a split of fewer slots than the pipeline holds
         (LinearSpec("matmul", 200, 128), WgmmaPlan(3, 128, 4, 1, 2)),
-        # e4m3 weights: slots of 64 bytes a row, converted into one bf16 tile per slot
+        # e4m3 weights converted into one bf16 tile per slot (knob wgmma_convert 1; their default converts into
+        # registers, test_linear_convert.py): slots of 64 bytes a row
         # ... with one slot's wgmmas in flight while the next slot is waited for and converted into the other tile
         (LinearSpec("matmul_fp8", 24576, 4096, FP8), WgmmaPlan(3, 128, 5, 1, 1, 2, 1)),
         (LinearSpec("matmul_fp8", 6144, 4096, FP8), WgmmaPlan(1, 128, 4, 1, 2, 2, 1)),
@@ -599,6 +600,7 @@ def test_gemm_on_sm90_is_the_warpgroup_gemm(spec, plan):
     bf16 tile behind a second barrier), 4 wgmma m64n128k16 per 64-wide k atom of a slot, one commit and one
     wait per slot, and shared-memory writes made visible to the async proxy before each barrier."""
     knobs = {"wgmma_mma_groups": plan.mma_groups, "wgmma_stages": plan.stages} if "groups" in spec.name else {}
+    knobs |= {"wgmma_convert": CONVERT_TILE} if spec.fp8 else {}
     # the 128-row GEMM takes every call above gemm_rows without the 64-row one (test_linear_mid.py)
     kernel = LinearMmaRule().apply(spec, SM90, {**knobs, "mid_rows": 0})
     assert kernel.knobs["gemm_wgmma"] == 1

@@ -1,9 +1,9 @@
-"""The warpgroup GEMM with e4m3 weights converted into the wgmmas' A fragments in registers (linear_wgmma.py,
-knob wgmma_convert 2): each thread loads its fragments' bytes from the raw slot and converts them, the wgmmas
-read only x from shared memory, and no bf16 tile, second fence or second barrier is left. CPU side: the plan,
-the knob's resolution, the raw rows' swizzle, the structure of the generated CUDA, NVRTC builds without
-serialised wgmmas and without local memory; numbers on the GPU: bench/linear.py's odd cases with convert 2
-(numpy checks) and the drafter's GPU tests on a build that converts in registers.
+"""The warpgroup GEMM with e4m3 weights converted into the wgmmas' A fragments in registers (linear_wgmma.py, knob
+wgmma_convert 2, the default for e4m3 weights): each thread loads its fragments' bytes from the raw slot and
+converts them, the wgmmas read only x from shared memory, and no bf16 tile, second fence or second barrier is
+left. CPU side: the plan, the knob's resolution, the raw rows' swizzle, the structure of the generated CUDA,
+NVRTC builds without serialised wgmmas and without local memory; numbers on the GPU: bench/linear.py's odd cases
+with convert 2 (numpy checks) and the drafter's GPU tests on a build that converts in registers.
 """
 
 from __future__ import annotations
@@ -70,7 +70,11 @@ def test_bad_convert_is_refused_and_bf16_weights_report_the_tile():
     assert kernel.knobs == default.knobs and kernel.knobs["wgmma_convert"] == CONVERT_TILE
     sources = [lower_to_cuda(tvm.IRModule({k.name: k.func}), SM90).source for k in (kernel, default)]
     assert sources[0] == sources[1]
-    assert LinearMmaRule().apply(LinearSpec("matmul_fp8", 4096, 4096, FP8), SM90).knobs["wgmma_convert"] == CONVERT_TILE
+    # e4m3 weights convert into registers unless the knob says otherwise
+    assert (
+        LinearMmaRule().apply(LinearSpec("matmul_fp8", 4096, 4096, FP8), SM90).knobs["wgmma_convert"]
+        == CONVERT_REGISTERS
+    )
 
 
 @pytest.mark.parametrize("row0", [0, 16, 48, 112])
@@ -157,8 +161,8 @@ def test_each_thread_converts_its_own_fragments_and_the_wgmmas_read_them_from_re
 
 
 def test_the_tile_conversion_keeps_two_barriers_per_slot():
-    """The default FP8 GEMM converts into a shared tile: its k loop meets a second block barrier per slot, which
-    the registers variant drops (the other test counts one)."""
+    """The FP8 GEMM converting into a shared tile (wgmma_convert 1): its k loop meets a second block barrier per
+    slot, which the registers variant drops (the other test counts one)."""
     spec, plan = CASES[1]
     kernel = wgmma_kernel(spec, WgmmaPlan(**{**vars(plan), "convert": CONVERT_TILE}))
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
@@ -169,10 +173,11 @@ def test_the_tile_conversion_keeps_two_barriers_per_slot():
 
 
 def test_the_mid_gemm_converts_where_the_wide_one_does():
-    """wgmma_convert serves both warpgroup GEMMs: the one of the calls up to mid_rows rows reads its fragments
-    from registers too."""
+    """wgmma_convert serves both warpgroup GEMMs: by default the one of the calls up to mid_rows rows reads its
+    fragments from registers too."""
     spec = LinearSpec("matmul_fp8", 4096, 4096, FP8, name="r_mid")
-    kernel = LinearMmaRule().apply(spec, SM90, {"wgmma_convert": CONVERT_REGISTERS, "mid_rows": 64})
+    kernel = LinearMmaRule().apply(spec, SM90, {"mid_rows": 64})
+    assert kernel.knobs["wgmma_convert"] == CONVERT_REGISTERS
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
     bodies = [cuda.source[slice(*span)] for span in kernel_bodies(cuda.source).values()]
     assert sum(f"{mma_rk_name(64)}(" in body for body in bodies) == 1  # the mid GEMM's 64-row tiles
