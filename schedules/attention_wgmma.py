@@ -522,8 +522,9 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     the merge grid is launched before the split completes and its blocks take the SMs the split's blocks leave
     (0: it is launched as the last split block exits). On the H200 no merge block fits beside a split block
     at nb = 1 or 8: the split's 116,736-byte blocks fill an SM's 233,472 bytes of shared memory two at a time
-    at nb = 8, and at nb = 1 both grids claim 116,864 bytes a block to spread (runtime/placement.py). Not
-    measured yet, so off.
+    at nb = 8, and at nb = 1 both grids claim 116,864 bytes a block to spread (runtime/placement.py). Only
+    the merge's launch latency could be gained, and was not: the bf16 step on an H100 (bench/propose.py, both
+    builds in one run, 0 → 1) took 1.288 → 1.296 ms at nb = 1 and 1.822 → 1.827 at nb = 8. So it is off.
 
     Defaults from the H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, 4096 cached rows, µs the
     split kernel adds over five layers at nb = 8; ms of the bf16 step at nb = 1 / 4 / 8 / 16):
@@ -537,6 +538,9 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
       blocks at nb = 8 only exited, and went through the SMs mixed in with the used ones): 212.5 µs against
       273.0; 0.964 / 1.251 / 1.441 / 2.352 against 0.966 / 1.255 / 1.475 / 2.462 in the same run.
     One sequence keeps its 16 splits (8 × 16 blocks): 9.1 µs per layer against 14.7 for the mma kernel.
+    32 (256 blocks of two 64-key groups, two per SM, and a merge of two passes) lost on an H100 (one run, both
+    builds; µs the attention and its merge add over five layers at nb = 1, timeline): 73.9 → 101.3, the bf16
+    step 1.259 → 1.299 ms and FP8 0.794 → 0.813 ms; nb ≥ 2 is unchanged (`slots` leaves it 16 spans or fewer).
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
 
