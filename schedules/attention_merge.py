@@ -128,11 +128,11 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     def lanes(n: int) -> Any:
         return T.thread_binding(n, thread="threadIdx.x") if device else T.serial(n)
 
-    def passes_macros(width: int) -> tuple[Any, Any]:
-        """(load, weigh) of one pass of `width` splits from split `first`: `load` asks for every split's
-        (max, sum) and outputs, the splits past used[0] re-reading the last used one; `weigh` adds them, with
-        weights 2^(max - the running max mstat[t, 0]), into the sums mstat[t, 1] and macc, the unused ones
-        weighing nothing."""
+    def passes_macros(width: int) -> tuple[Any, Any, Any]:
+        """(load, fold_max, weigh) of one pass of `width` splits from split `first`: `load` asks for every
+        split's (max, sum) and outputs, the splits past used[0] re-reading the last used one; `fold_max` takes
+        the used splits' maxima into the running max mstat[t, 0]; `weigh` adds their sums and outputs, with
+        weights 2^(max - mstat[t, 0]), into mstat[t, 1] and macc, the unused ones weighing nothing."""
 
         @T.macro
         def load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, first):
@@ -154,23 +154,31 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
                 for x in T.unroll(per):
                     macc[t, x] = macc[t, x] + T.Select(ok, mstat[t, 2] * po[t, u, x], T.float32(0))
 
-        return load, weigh
+        @T.macro
+        def fold_max(ml, mstat, used, t, first):
+            for u in T.unroll(width):
+                mstat[t, 0] = T.max(mstat[t, 0], T.Select(first + u < used[0], ml[t, u, 0], T.float32(NEG)))
+
+        return load, fold_max, weigh
 
     def combine_macro(width: int, rounds: int) -> Any:
         """Splits [0, width · rounds) in `rounds` passes of `width`: the running max first, then the weighted
         sums of (sum, outputs). A single pass asks for every (max, sum) and output before it uses any; more
         load the maxima for the max first, then each pass again for its sums."""
-        load, weigh = passes_macros(width)
+        load, fold_max, weigh = passes_macros(width)
+
+        @T.macro
+        def clear_sums(mstat, macc, t):
+            mstat[t, 1] = T.float32(0)
+            for x in T.unroll(per):
+                macc[t, x] = T.float32(0)
 
         @T.macro
         def one_pass(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
             load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, 0)
             mstat[t, 0] = T.float32(NEG)
-            for u in T.unroll(width):
-                mstat[t, 0] = T.max(mstat[t, 0], T.Select(u < used[0], ml[t, u, 0], T.float32(NEG)))
-            mstat[t, 1] = T.float32(0)
-            for x in T.unroll(per):
-                macc[t, x] = T.float32(0)
+            fold_max(ml, mstat, used, t, 0)
+            clear_sums(mstat, macc, t)
             weigh(ml, po, mstat, macc, used, t, 0)
 
         @T.macro
@@ -179,14 +187,8 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
             for sp0 in T.serial(rounds):
                 for u in T.unroll(width):
                     ml[t, u, 0] = part_ml[s, kvh, T.min(sp0 * width + u, used[0] - 1), r, 0]
-                for u in T.unroll(width):
-                    mstat[t, 0] = T.max(
-                        mstat[t, 0],
-                        T.Select(sp0 * width + u < used[0], ml[t, u, 0], T.float32(NEG)),
-                    )
-            mstat[t, 1] = T.float32(0)
-            for x in T.unroll(per):
-                macc[t, x] = T.float32(0)
+                fold_max(ml, mstat, used, t, sp0 * width)
+            clear_sums(mstat, macc, t)
             for sp0 in T.serial(rounds):
                 load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, sp0 * width)
                 weigh(ml, po, mstat, macc, used, t, sp0 * width)
