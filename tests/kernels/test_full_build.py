@@ -23,6 +23,7 @@ from dflash_compiler.options import BuildOptions
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.sass import WAIT as WAIT_SASS
 from dflash_compiler.sass import kernel_opcodes, loads_before_wait
+from dflash_compiler.schedules.linear_wgmma import CONVERT_REGISTERS, CONVERT_TILE
 from dflash_compiler.targets import SM90, SM120, SM121, STATIC_SHARED_MEMORY_LIMIT
 
 pytest.importorskip("tvm")
@@ -69,7 +70,7 @@ def test_gemm_mode_linears_build_for_target(programs, target):
     _check_build(program, build, target)
 
 
-@pytest.mark.parametrize("convert", [None, 1], ids=["registers-by-default", "tile-by-knob"])
+@pytest.mark.parametrize("convert", [None, CONVERT_TILE], ids=["registers-by-default", "tile-by-knob"])
 def test_knobbed_fp8_build_is_safe_to_launch_dependent(convert):
     """The Qwen3-8B drafter in FP8, its warpgroup GEMMs converting e4m3 into register fragments (the default)
     or into a shared bf16 tile (wgmma_convert 1), and the attention locating early and letting its merge in
@@ -91,13 +92,13 @@ def test_knobbed_fp8_build_is_safe_to_launch_dependent(convert):
     knobs[AttentionWgmmaRule.name] = {"early": 1, "trigger": 1}
     build = build_kernels(program, SM90, knobs=knobs)
     gemms = [k for k in build.kernels.values() if "wgmma_convert" in k.knobs and k.spec.fp8]
-    assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == (convert or 2) for k in gemms)
+    assert len(gemms) >= 5 and all(k.knobs["wgmma_convert"] == (convert or CONVERT_REGISTERS) for k in gemms)
     attention = [k for k in build.kernels.values() if k.rule == AttentionWgmmaRule.name]
     assert attention and all(k.knobs["early"] == k.knobs["trigger"] == 1 for k in attention)
     assert (build.cuda.source.count(f"{E4M3_A_FRAGMENT}((&") > 0) == (convert is None)
     # the tile form converts in the warpgroup GEMMs' k loops (the few-rows kernels convert e4m3 either way)
     bodies = [build.cuda.source[slice(*span)] for span in kernel_bodies(build.cuda.source).values()]
-    assert any(f"{E4M3X4_TO_BF16}(" in body and "wgmma" in body for body in bodies) == (convert == 1)
+    assert any(f"{E4M3X4_TO_BF16}(" in body and "wgmma" in body for body in bodies) == (convert == CONVERT_TILE)
     _check_build(program, build, SM90)
 
 
