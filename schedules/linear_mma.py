@@ -238,12 +238,13 @@ def mma_gemv_func(
 
 def partials_shape(spec: LinearSpec, plan: TiledPlan | WgmmaPlan, m: Any) -> tuple[Any, ...]:
     """The host workspace of a tiled or warpgroup GEMM's call of `m` rows: lm_head_argmax's best (rank, value)
-    per row and block along n, `[2, m, blocks]` (linear_argmax.py); the k splits' f32 partial sums `[splits,
-    m, n]` for the merge kernel, unless a cluster adds them (linear_wgmma.py); else one slot of nothing."""
+    per row and block along n, `[2, m, blocks]` (linear_argmax.py); the k splits' f32 partial sums `[m,
+    splits, n]` for the merge kernel (a row's splits apart by a constant stride, so that the merge's loads of
+    them are vector loads), unless a cluster adds them (linear_wgmma.py); else one slot of nothing."""
     if spec.picks:
         return (2, m, pick_blocks(spec, plan))
     if plan.k_splits > 1 and not (isinstance(plan, WgmmaPlan) and plan.cluster):
-        return (plan.k_splits, m, spec.n)
+        return (m, plan.k_splits, spec.n)
     return (1,)
 
 

@@ -531,6 +531,13 @@ def test_gemv_kernel_hands_many_rows_to_the_tiled_gemm(spec, shapes, target):
     if merge:
         (ws,) = func.workspaces
         assert ws.dtype == "float32" and [evaluate(d, {"m": 7}) for d in ws.shape] == [7 * plan.k_splits * spec.n]
+        # a merge thread adds four neighbouring outputs: one 16-byte load per split (a row's splits a constant
+        # stride apart in the [m, splits, n] workspace) and one 8-byte store
+        (merging,) = merge
+        assert merging.launch_dims({"m": 7})[0] == (-(-7 * spec.n // 4 // 256), 1, 1)
+        merged = cuda.source[slice(*kernel_bodies(cuda.source)[merging.name])]
+        assert merged.count("*(float4*)(part_ptr + ") == plan.k_splits and "part_ptr[" not in merged
+        assert merged.count("*(nv_bfloat164*)(y_ptr + ") == 1
     else:
         assert not func.workspaces
     body = cuda.source[slice(*kernel_bodies(cuda.source)[gemm.name])]
