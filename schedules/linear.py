@@ -78,6 +78,7 @@ FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps
 # the shape knobs of the warpgroup GEMM of calls up to mid_rows rows (LinearMmaRule takes them as mid_<name>)
 MID_KNOBS = ("warpgroups", "stages", "k_splits", "mma_groups")
 MID_ROWS = 64  # the calls of 33-64 rows (three or four draft blocks) take a GEMM of 64-row x tiles
+REGISTER_CONVERT_ROWS = 128  # the tallest x tile whose e4m3 weights convert in registers by default
 
 
 def few_rows_knobs(stages: int, k_steps: int, k_warps: int, n_tiles: int = 1) -> dict[str, int]:
@@ -449,7 +450,7 @@ class LinearMmaRule(FamilyRule):
             )
         shape = {**mid_defaults(spec, target, rows), **given}
         # the e4m3 conversion as the GEMM above mid_rows has it (wgmma_convert)
-        convert = knobs["wgmma_convert"] or default_convert(spec)
+        convert = knobs["wgmma_convert"] or default_convert(spec, rows)
         return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
                                              "roles": SHARED_ROLES, "convert": convert})  # fmt: skip
 
@@ -476,7 +477,10 @@ class LinearMmaRule(FamilyRule):
             )
         if wgmma:
             given = {name: knobs[f"wgmma_{name}"] for name in WGMMA_KNOBS if knobs[f"wgmma_{name}"] != 0}
-            return fit_wgmma_plan(spec, target, {**wgmma_defaults(spec, target), **given})
+            shape = {**wgmma_defaults(spec, target), **given}
+            if "convert" not in given:  # the default for the tile's rows as given
+                shape["convert"] = default_convert(spec, shape["block_m"])
+            return fit_wgmma_plan(spec, target, shape)
         given = {name: knobs[f"gemm_{name}"] for name in TILED_KNOBS if knobs[f"gemm_{name}"] != 0}
         return fit_tiled_plan(spec, target, {**tiled_defaults(spec, target), **given})
 
@@ -739,16 +743,21 @@ def wgmma_defaults(
                               "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
-    return {**best[1], "roles": SHARED_ROLES, "convert": default_convert(spec)}
+    return {**best[1], "roles": SHARED_ROLES, "convert": default_convert(spec, rows)}
 
 
-def default_convert(spec: LinearSpec) -> int:
+def default_convert(spec: LinearSpec, block_m: int) -> int:
     """Where both warpgroup GEMMs turn e4m3 weights into bf16 unless knob wgmma_convert says: into the wgmmas'
     A fragments in registers (CONVERT_REGISTERS), which skips the bf16 tile's shared-memory round trip and
     its second barrier per slot. The FP8 drafter step, one run on an H100 (bench/propose.py, both builds in
     one process, ms at nb 1 / 4 / 8; a shared tile → registers): 0.787 → 0.796, 1.377 → 1.179,
-    1.814 → 1.512. nb = 1 (16 rows) takes no warpgroup GEMM. bf16 weights have nothing to convert."""
-    return CONVERT_REGISTERS if spec.fp8 else CONVERT_TILE
+    1.814 → 1.512. nb = 1 (16 rows) takes no warpgroup GEMM. bf16 weights have nothing to convert.
+
+    Only x tiles of up to REGISTER_CONVERT_ROWS rows (the default GEMMs' 64 and 128) convert in registers:
+    a block_m-row tile's accumulators take block_m / 2 registers a thread, and at 256 rows ptxas serialised
+    the wgmmas of a producer-role GEMM with register fragments for want of registers (C7512), which the
+    build refuses (nvrtc.py); larger tiles keep the shared tile."""
+    return CONVERT_REGISTERS if spec.fp8 and block_m <= REGISTER_CONVERT_ROWS else CONVERT_TILE
 
 
 def mid_defaults(spec: LinearSpec, target: Target, rows: int) -> dict[str, int]:

@@ -77,6 +77,22 @@ def test_bad_convert_is_refused_and_bf16_weights_report_the_tile():
     )
 
 
+def test_tiles_taller_than_128_rows_convert_into_the_shared_tile_by_default():
+    """A 256-row x tile's accumulators take 128 registers a thread: by default its e4m3 weights convert into the
+    shared tile, and the producer-role GEMM of that shape builds (with register fragments ptxas serialised its
+    wgmmas, C7512, which NVRTC's check refuses); the knob still asks for registers."""
+    spec = LinearSpec("matmul_fp8", 200, 256, FP8, name="r_tall")
+    tall = {"wgmma_warpgroups": 2, "wgmma_block_m": 256, "wgmma_stages": 3, "wgmma_k_splits": 2, "wgmma_roles": 2}
+    kernel = LinearMmaRule().apply(spec, SM90, {**tall, "mid_rows": 0})
+    assert kernel.knobs["wgmma_convert"] == CONVERT_TILE
+    assert compile_cubin(lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90).source, SM90.arch)
+    asked = LinearMmaRule().apply(spec, SM90, {**tall, "mid_rows": 0, "wgmma_convert": CONVERT_REGISTERS})
+    assert asked.knobs["wgmma_convert"] == CONVERT_REGISTERS
+    # 128-row tiles, as the default GEMMs take, keep the registers
+    shorter = LinearMmaRule().apply(spec, SM90, {**tall, "wgmma_block_m": 128, "mid_rows": 0})
+    assert shorter.knobs["wgmma_convert"] == CONVERT_REGISTERS
+
+
 @pytest.mark.parametrize("row0", [0, 16, 48, 112])
 def test_a_fragment_load_reads_eight_distinct_bank_groups(row0):
     """The eight rows g (and g + 8) that one fragment load reads of chunk kk sit at 64 · row + 16 · position
