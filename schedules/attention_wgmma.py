@@ -541,6 +541,9 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     32 (256 blocks of two 64-key groups, two per SM, and a merge of two passes) lost on an H100 (one run, both
     builds; µs the attention and its merge add over five layers at nb = 1, timeline): 73.9 → 101.3, the bf16
     step 1.259 → 1.299 ms and FP8 0.794 → 0.813 ms; nb ≥ 2 is unchanged (`slots` leaves it 16 spans or fewer).
+    `prefetch` 4 or 8 instead of 2 (at nb = 1 a split's every group in L2 before the wait) lost on an H100 (one
+    run, three builds; ms of the step at nb = 1 / 8): bf16 1.256 / 1.737 → 1.281 / 1.770 and 1.276 / 1.801,
+    FP8 0.782 / 1.477 → 0.787 / 1.488 and 0.787 / 1.509.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
 

@@ -716,6 +716,14 @@ def wgmma_defaults(
     75.8 / 75.3 / 153.5, lm_head 435.0 / 486.5 / 918.7 → 445.0 / 502.0 / 954.7, qkv 32.8 / 34.3 / 66.4 →
     35.6 / 38.9 / 74.5. A single producer warp issued the copies too slowly (the bf16 step at nb = 16 on an
     H200: 3.108 against 2.338 ms). Only the wide bf16 weights at 256 rows gain (3-7 %), so roles 2 is a knob.
+
+    Nor did one slot's wgmmas in flight for bf16, two atoms a slot, six slots or eight splits, with one to
+    three warpgroups, beat the choice at 128 rows. H100, µs (bench/linear.py --gemm --wgmma-only, dependent
+    launches, three rounds, 520/520 numpy checks; the default → the best of eight such variants): qkv 29.04
+    → 29.10, o_proj 19.46 → 19.75, down 45.84 → 45.66; FP8 qkv 22.90 → 21.77 (three warpgroups, four
+    splits), o_proj 13.88 → 14.09, down 38.43 → 37.86. Nsight Compute on the bf16 qkv GEMM at 128 rows (three
+    warpgroups, one block per SM by registers and shared memory): DRAM 61 % busy, a third of the warps'
+    stalls at the slot's block barrier.
     """
     atoms = spec.k // 64
     # per weight row and split: m = rows f32 partial sums written and read back, against the row's weight
