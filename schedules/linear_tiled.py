@@ -337,9 +337,8 @@ def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
     else one. One output per thread over a `[splits, m, n]` workspace (whose symbolic split stride TVM cannot
     prove 16-byte aligned: its vector loads become four scalar ones) → this, on an H100 (bench/propose.py,
     both builds in one run, µs the five layers' qkv, o and down merges and append's two add at nb = 8,
-    timeline): bf16 48.1 →
-    37.5, FP8 49.3 → 35.6; the step at nb = 4 / 8 / 16, bf16 1.547 / 1.823 / 2.544 → 1.552 / 1.807 / 2.536 ms,
-    FP8 1.187 / 1.514 / 2.603 → 1.182 / 1.485 / 2.567 ms."""
+    timeline): bf16 48.1 → 37.5, FP8 49.3 → 35.6; the step at nb = 4 / 8 / 16, bf16 1.547 / 1.823 / 2.544 →
+    1.552 / 1.807 / 2.536 ms, FP8 1.187 / 1.514 / 2.603 → 1.182 / 1.485 / 2.567 ms."""
     from tvm.script import tirx as T
 
     n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
