@@ -345,11 +345,12 @@ def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
     vector = MERGE_VECTOR if n % MERGE_VECTOR == 0 else 1
     count = n // vector  # vectors per row
 
-    def total(part: Any, row: Any, col: Any) -> Any:
+    def merged(part: Any, scale: Any, row: Any, col: Any) -> Any:
+        """Output (row, col): its splits' partial sums in split order (FP8: times the row's scale)."""
         value = part[row, 0, col]
         for s in range(1, k_splits):
             value = value + part[row, s, col]
-        return value
+        return value * scale[col] if fp8 else value
 
     @T.macro
     def merge(scale, y, part, m):
@@ -363,10 +364,7 @@ def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
                     col = T.meta_var((b * MERGE_THREADS + tx) % count * vector)
                     if b * MERGE_THREADS + tx < m * count:
                         for v in T.vectorized(vector):
-                            if fp8:
-                                out[v] = T.Cast(out_dtype, total(part, row, col + v) * scale[col + v])
-                            else:
-                                out[v] = T.Cast(out_dtype, total(part, row, col + v))
+                            out[v] = T.Cast(out_dtype, merged(part, scale, row, col + v))
                         for v in T.vectorized(vector):
                             y[row, col + v] = out[v]
 
