@@ -225,6 +225,17 @@ def _make_capture(tvm: Any) -> Any:
     return _Capture()
 
 
+def _workspace(buffer: Any, conv: _ExprConverter) -> Workspace:
+    """A host-side allocation as the runtime makes it: in scalar elements. TVM's storage rewrite retypes an
+    allocation whose every access is one vector type (float32x4 where both kernels move 16 bytes at a time)
+    and divides its extent by the lanes; the lanes go back into the last dimension."""
+    shape = [conv(d) for d in buffer.shape]
+    lanes = buffer.dtype.lanes
+    if lanes > 1:
+        shape[-1] = f"({shape[-1]} * {lanes})"
+    return Workspace(name=buffer.name, dtype=str(buffer.dtype.with_lanes(1)), shape=tuple(shape))
+
+
 def _kernel_table(split: Any) -> dict[str, HostFunction]:
     import tvm
     import tvm_ffi
@@ -261,9 +272,7 @@ def _kernel_table(split: Any) -> dict[str, HostFunction]:
         if not kernels:
             continue
         params = tuple(_func_param(p, conv) for p in func.params)
-        workspaces = tuple(
-            Workspace(name=b.name, dtype=str(b.dtype), shape=tuple(conv(d) for d in b.shape)) for b in allocs
-        )
+        workspaces = tuple(_workspace(b, conv) for b in allocs)
         exprs = [e for k in kernels for e in (*k.grid, *k.block, k.dynamic_smem, k.when)]
         exprs += [p.source for k in kernels for p in k.params if p.kind == "scalar"]
         exprs += [d for p in params for d in p.shape] + [d for w in workspaces for d in w.shape]

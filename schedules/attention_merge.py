@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 DTYPE = "bfloat16"
 NEG = -3.0e38  # "no score yet": finite, so exp2(NEG - max) is 0 and max(NEG, x) is x, never NaN
 MERGE_ELEMENTS = 4  # outputs per thread of the merge kernel (merge_macro says why four)
-MERGE_WIDTHS = (4, 8)  # the merge's narrower passes, for batches that use that few splits (merge_macro)
+MERGE_WIDTHS = (4, 8, 16)  # the merge's narrower passes, for batches that use that few splits (merge_macro)
+MERGE_PASS = 24  # the most splits one pass of the merge loads at once (merge_macro)
 
 
 def span_count(spec: BlockAttentionSpec, splits: int, slots: int, nb: Any) -> Any:
@@ -97,27 +98,36 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     threads, each repeating the splits' (max, sum) loads and exp2) took 6.9 against 8.1 µs for one sequence
     on an H200 but 29.4 against 22.8 µs per layer for 16 sequences.
 
-    The splits go in passes of up to 16: a pass first loads every split's (max, sum) and outputs into
+    The splits go in passes of up to MERGE_PASS: a pass first loads every split's (max, sum) and outputs into
     registers, unconditionally, splits past the used ones reading the last used one again (a cache hit; a
     batch that uses a quarter of the splits would otherwise read four times the partial sums from DRAM), and
     only then applies the guard "this split saw keys" to the values, as selects. Loads behind a per-split
     branch went out one split at a time, a round trip each: 11.3 µs for one sequence of 4096 keys on an
-    H200 (Nsight Compute), 8.1 µs now. A batch whose `slots` leave it at most 4 or 8 used splits takes one
-    pass of that width instead (a runtime branch to a copy of the pass), so it does not load and weigh the
-    clamped duplicates of a 16-wide pass.
+    H200 (Nsight Compute), 8.1 µs now. A batch that uses at most 4, 8 or 16 of the splits (where there are
+    more) takes one pass of the narrowest of those widths that holds them instead (a runtime branch to a copy
+    of the pass), so it does not load and weigh the clamped duplicates of the wide pass. Up to MERGE_PASS
+    splits are one pass (its loads take 6 · MERGE_PASS registers), not passes of 16 and a ragged one, whose
+    maxima are loaded and folded before the sums, a round trip more.
 
-    A merge of one pass (at most 16 splits) locates its spans from the host-written lengths and positions
+    A merge of one pass locates its spans from the host-written lengths and positions
     before the wait for inputs, and its pass asks for every split's (max, sum) and outputs before it uses any.
     With the spans located after the wait and the pass split into the max's loads, then the weighted sums'
     loads, it waited for three round trips one after the other (sm_90 SASS: the length's load, the maxima's,
     then the outputs' behind the first exp2); now the 4- and 8-wide passes wait for one, and in the 16-wide
-    one ptxas issues the last 28 of its 96 loads after the first exp2 (96 registers), so it waits for two."""
+    one ptxas issues the last 28 of its 96 loads after the first exp2 (96 registers), so it waits for two.
+
+    A split's four outputs of a thread are one 16-byte load and its (max, sum) one 8-byte load, and the four
+    bf16 outputs one 8-byte store (every stride of the workspaces is a constant multiple of the vector). Four
+    4-byte loads and two 4-byte loads before → this, on an H100 (bench/propose.py, both builds in one run, µs the
+    five merges add, timeline): 19.6 → 19.3 at nb = 1 and 21.9 → 19.9 at nb = 8 (bf16), 17.1 → 16.3 and 21.4 →
+    20.3 (FP8); the step moved within its noise (bf16 1.257 / 1.751 → 1.271 / 1.752 ms at nb = 1 / 8): the
+    merge waits on its round trips, not on how many loads it issues."""
     from tvm.script import tirx as T
 
     blk, heads, dim, group = spec.block, spec.heads, spec.head_dim, spec.group
     vecs, per = dim // MERGE_ELEMENTS, MERGE_ELEMENTS
     per_block, mt = merge_blocking(spec)
-    unroll = min(splits, 16)
+    unroll = min(splits, MERGE_PASS)
     passes = -(-splits // unroll)
     local = "local" if device else "global"
     split_span = split_span_macro(spec, splits, chunk, slots, early=device)
@@ -138,10 +148,11 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
         def load(part_o, part_ml, ml, po, used, s, kvh, r, d0, t, first):
             for u in T.unroll(width):
                 sp = T.meta_var(T.min(first + u, used[0] - 1))
-                for j in T.unroll(2):
+                # one 8-byte and one 16-byte load: every stride of the workspaces is a constant multiple of
+                # the vector, so the addresses are aligned
+                for j in T.vectorized(2):
                     ml[t, u, j] = part_ml[s, kvh, sp, r, j]
-                # scalar loads: a float4 access would retype the workspace
-                for x in T.unroll(per):
+                for x in T.vectorized(per):
                     po[t, u, x] = part_o[s, kvh, sp, r, d0 + x]
 
         @T.macro
@@ -195,11 +206,24 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
 
         return one_pass if rounds == 1 else combine
 
+    def dispatch_macro(widths: list[int]) -> Any:
+        """The narrowest pass of `widths` (ascending) that holds the splits a batch uses, else every split."""
+        if not widths:
+            return combine_macro(unroll, passes)
+        width, wider = widths[0], dispatch_macro(widths[1:])
+        narrow = combine_macro(width, 1)
+
+        @T.macro
+        def dispatch(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t):
+            if used[0] <= width:
+                narrow(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+            else:
+                wider(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+
+        return dispatch
+
     # a batch that uses few of the splits (`slots`) takes the narrowest pass that holds them
-    narrow = sorted(w for w in MERGE_WIDTHS if w < unroll)
-    every = combine_macro(unroll, passes)
-    first = combine_macro(narrow[0], 1) if narrow else every
-    second = combine_macro(narrow[1], 1) if len(narrow) > 1 else every
+    combine = dispatch_macro(sorted(w for w in MERGE_WIDTHS if w < unroll))
 
     @T.macro
     def merge(part_o: Any, part_ml: Any, cache_lens: Any, blk_positions: Any, out: Any, nb: Any) -> None:
@@ -235,24 +259,11 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
                             kvh = T.meta_var(hd // group)
                             r = T.meta_var(i * group + hd % group)
                             d0 = T.meta_var(t % vecs * per)
-                            if len(narrow) == 2:
-                                if used[0] <= narrow[0]:
-                                    first(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
-                                elif used[0] <= narrow[1]:
-                                    second(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
-                                else:
-                                    every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
-                            elif len(narrow) == 1:
-                                if used[0] <= narrow[0]:
-                                    first(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
-                                else:
-                                    every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
-                            else:
-                                every(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
+                            combine(part_o, part_ml, ml, po, mstat, macc, used, s, kvh, r, d0, t)
                             mstat[t, 2] = T.if_then_else(
                                 mstat[t, 1] > T.float32(0), T.float32(1) / mstat[t, 1], T.float32(0)
                             )
-                            for x in T.unroll(per):
+                            for x in T.vectorized(per):
                                 out[s * blk + i, hd * dim + d0 + x] = T.Cast(DTYPE, macc[t, x] * mstat[t, 2])
 
     return merge

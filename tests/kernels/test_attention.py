@@ -111,13 +111,23 @@ def test_corner_cases_of_lengths_and_windows():
     assert not mismatches(spec, got, spec.reference(arrays), arrays)
 
 
-def test_the_merge_takes_splits_in_passes_with_a_ragged_last_one():
-    """20 splits merge in a pass of 16 and a pass of 4 (loads clamped to the last used split, the guard on
-    the values), or in one narrow pass where a sequence uses at most 8 or 4 of them: the sequences use all
-    20 splits (240 keys, 12 per split), 5 (the pass of 8), 17 and 3 (the pass of 4)."""
+@pytest.mark.parametrize(
+    ("splits", "lens"),
+    [
+        # one pass of 20: all 20 splits (240 keys, 12 per split), 17 (4 keys each), 5 (the pass of 8), 3 (of 4)
+        (20, [232, 60, 9, 3]),
+        # 28 splits: a pass of 24 and a ragged one of 4 for 28 and 17 used, the narrow pass of 16 for 15
+        (28, [328, 60, 52, 3]),
+    ],
+    ids=["one-pass", "two-passes"],
+)
+def test_the_merge_takes_the_narrowest_pass_that_holds_the_used_splits(splits, lens):
+    """The merge adds a sequence's used splits in one pass of at most MERGE_PASS (its loads clamped to the last
+    used split, the guard on the values), in passes of that many and a ragged last one above it, or in the
+    narrowest of the 4-, 8- and 16-wide passes that holds them."""
     spec = BlockAttentionSpec(block=8, heads=4, kv_heads=2, head_dim=16, causal=False)
-    arrays = _with_lengths(spec, spec.sample(np.random.default_rng(7), _sizes(spec, 4, 16)), [232, 9, 60, 3])
-    got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=20), arrays)}
+    arrays = _with_lengths(spec, spec.sample(np.random.default_rng(splits), _sizes(spec, 4, 24)), lens)
+    got = {"out": _run(spec, AttentionLayout(threads=32, chunk=4, splits=splits), arrays)}
     assert not mismatches(spec, got, spec.reference(arrays), arrays)
 
 

@@ -17,7 +17,7 @@ import pytest
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules import RULES, apply_rules
 from dflash_compiler.schedules.attention import BlockAttentionSpec
-from dflash_compiler.schedules.attention_merge import merge_blocking
+from dflash_compiler.schedules.attention_merge import MERGE_WIDTHS, merge_blocking
 from dflash_compiler.schedules.attention_wgmma import (
     ATOM,
     TILE,
@@ -40,6 +40,7 @@ from kernel_harness import (  # noqa: E402
     assert_only_prefetches_before_the_wait,
     assert_split_grid_is_the_used_spans,
     assert_split_waits_and_merge_triggers,
+    kernel_body,
 )
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
@@ -143,6 +144,7 @@ def lowered():
         {"early": 1, "prefetch": 0},
         {"trigger": 1},
         {"trigger": 1, "stages": 2},
+        {"splits": 20},  # one merge pass of 20 beside the narrow ones
     ):
         other = AttentionWgmmaRule().apply(QWEN3_8B, SM90, knobs)
         name = other.name + "".join(f"_{k}{v}" for k, v in knobs.items())
@@ -173,6 +175,22 @@ def test_kernel_table(lowered):
         assert grid == (spec.heads // per_block, spec.block, 3) and block == (threads, 1, 1)
         early = knobs["prefetch"] > 0 or knobs["early"] == 1  # host-written lengths and tables before the wait
         assert_split_waits_and_merge_triggers(cuda.source, split.name, merge.name, early, bool(knobs["trigger"]))
+
+
+def test_the_merge_moves_a_split_in_one_load_of_each_workspace(lowered):
+    """Per split a merge thread loads its four outputs in one 16-byte load and the (max, sum) in one 8-byte load
+    (every stride of the workspaces is a constant multiple of the vector), and it stores its four bf16 outputs
+    in one 8-byte store: a pass of w splits is w loads of each, for the narrow passes of 4, 8 and 16 splits below
+    the split count and the pass of every split (20 splits: one pass of 20, not two of 16)."""
+    kernels, cuda = lowered
+    assert {kernel.knobs["splits"] for kernel in kernels} == {16, 20}
+    for kernel in kernels:
+        body = kernel_body(cuda.source, kernel.name, "_kernel_1")
+        widths = sum(w for w in MERGE_WIDTHS if w < kernel.knobs["splits"]) + kernel.knobs["splits"]
+        assert body.count("*(float4*)(part_o_ptr + ") == widths, kernel.name
+        assert body.count("*(float2*)(part_ml_ptr + ") == widths, kernel.name
+        assert "part_o_ptr[" not in body and "part_ml_ptr[" not in body
+        assert body.count("*(nv_bfloat164*)(out_ptr + ") == 1 and "out_ptr[" not in body
 
 
 def test_both_products_are_warpgroup_mmas(lowered):
