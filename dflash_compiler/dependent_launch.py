@@ -42,7 +42,11 @@ against plain launches in the same run):
   GEMMs were still as slow, with nothing waiting beside them; their blocks had piled up on the SMs the
   kernel before left free first (runtime/placement.py);
 * the same with such grids spread over the SMs (runtime/placement.py): 1.061 / 1.972 / 2.396 / 4.293
-  against 1.097 / 1.987 / 2.428 / 4.266.
+  against 1.097 / 1.987 / 2.428 / 4.266;
+* the norms, head_prep and the attention merge triggering before their wait instead of right after it (so
+  the weight stream after them comes in while the kernel before them drains; on an H100, one run, ms at
+  nb = 1 / 4 / 8): bf16 1.294 / 1.548 / 1.809 → 1.299 / 1.551 / 1.816, FP8 0.798 / 1.172 / 1.488 → 0.790 /
+  1.170 / 1.485, within the step's noise, so no kernel triggers before its wait.
 
 The long kernels keep their late trigger, so that no grid holds warps, registers and shared memory beside
 them for their whole run; what an early one would cost them once grids are spread is not measured.

@@ -541,6 +541,12 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     32 (256 blocks of two 64-key groups, two per SM, and a merge of two passes) lost on an H100 (one run, both
     builds; µs the attention and its merge add over five layers at nb = 1, timeline): 73.9 → 101.3, the bf16
     step 1.259 → 1.299 ms and FP8 0.794 → 0.813 ms; nb ≥ 2 is unchanged (`slots` leaves it 16 spans or fewer).
+    So did 17, 20 and 24, though at nb = 1 the step's 4,119 keys are 65 groups of 64 and 16 splits leave 13 spans
+    of five groups (H100, one run of four builds; bf16 / FP8 step ms at nb = 1 and µs the split kernel adds over
+    five layers): 16: 1.288 / 0.796, 54.3; 17: 1.316 / 0.812, 56.1 (17 spans of four groups, 136 blocks, merged
+    in passes of 16 and 1: 36.3 µs against 18.4); 20: 1.311 / 0.804, 61.8; 24: 1.310 / 0.804, 55.0 (22 spans of
+    three groups; 20 and 24 merged in one pass, 18.8 and 22.3 µs). The split kernel takes about the same time
+    whatever its blocks' group count: blocks sharing an SM set its pace, not the length of one block's chain.
     `prefetch` 4 or 8 instead of 2 (at nb = 1 a split's every group in L2 before the wait) lost on an H100 (one
     run, three builds; ms of the step at nb = 1 / 8): bf16 1.256 / 1.737 → 1.281 / 1.770 and 1.276 / 1.801,
     FP8 0.782 / 1.477 → 0.787 / 1.488 and 0.787 / 1.509.

@@ -568,6 +568,11 @@ class LinearMmaRule(FamilyRule):
         * narrow FP8 weights: four slots of 4 k steps (an FP8 k step is 64 wide), four warps along k: qkv
           11.33 → 10.00, o_proj 9.40 → 7.53, down 19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode).
           More weight tiles per block lost here (fewer blocks: o_proj FP8 6.69 → 8.90 with two).
+          On an H100 (one run, µs at 16 rows, dependent launches) eight slots made down FP8 20.42 → 19.25 and
+          three slots gate_up FP8 36.66 → 36.07, but in the step neither moved (bench/propose.py, one run, FP8
+          at nb = 1: 0.772 ms → 0.775 with eight slots for down and fc, 0.775 with both, though down's five
+          calls added 98.1 → 88.6 µs to the timeline). Two weight tiles per block lost at every ring depth
+          tried (o_proj FP8 7.29 → 8.79-11.35 with 3-12 slots of 4-16 k steps).
         """
         wide = wide_weight(spec, target)
         if wide:
