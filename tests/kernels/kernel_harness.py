@@ -85,13 +85,12 @@ def wgmma_kernel(spec: LinearSpec, plan: WgmmaPlan) -> Kernel:
     return kernel
 
 
-def kernel_body(source: str, name: str, kernel: str = "_kernel") -> str:
-    """The CUDA body of `<name><kernel>` in a module's source (its definition, not the forward declaration);
-    `kernel` "_kernel_1" is a function's second kernel."""
+def kernel_body(source: str, name: str) -> str:
+    """The CUDA body of `<name>_kernel` in a module's source (its definition, not the forward declaration)."""
     import re
 
-    found = re.search(rf"void __launch_bounds__\(\d+\) {name}{kernel}\([^)]*\) \{{\n(.*?)\n\}}\n", source, re.S)
-    assert found is not None, f"no definition of {name}{kernel} in the CUDA source"
+    found = re.search(rf"void __launch_bounds__\(\d+\) {name}_kernel\([^)]*\) \{{\n(.*?)\n\}}\n", source, re.S)
+    assert found is not None, f"no definition of {name}_kernel in the CUDA source"
     return found.group(1)
 
 

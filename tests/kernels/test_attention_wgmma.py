@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from dflash_compiler.dependent_launch import kernel_bodies
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules import RULES, apply_rules
 from dflash_compiler.schedules.attention import BlockAttentionSpec
@@ -40,7 +41,6 @@ from kernel_harness import (  # noqa: E402
     assert_only_prefetches_before_the_wait,
     assert_split_grid_is_the_used_spans,
     assert_split_waits_and_merge_triggers,
-    kernel_body,
 )
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
@@ -185,7 +185,8 @@ def test_the_merge_moves_a_split_in_one_load_of_each_workspace(lowered):
     kernels, cuda = lowered
     assert {kernel.knobs["splits"] for kernel in kernels} == {16, 20}
     for kernel in kernels:
-        body = kernel_body(cuda.source, kernel.name, "_kernel_1")
+        _, merge = cuda.functions[kernel.name].kernels
+        body = cuda.source[slice(*kernel_bodies(cuda.source)[merge.name])]
         widths = sum(w for w in MERGE_WIDTHS if w < kernel.knobs["splits"]) + kernel.knobs["splits"]
         assert body.count("*(float4*)(part_o_ptr + ") == widths, kernel.name
         assert body.count("*(float2*)(part_ml_ptr + ") == widths, kernel.name
