@@ -552,6 +552,14 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     FP8 0.782 / 1.477 → 0.787 / 1.488 and 0.787 / 1.509.
     `bench/attention.py` times one kernel over random lengths (the first sequence full) on a cache that
     fits L2 at nb = 1, so its µs flatter both kernels; the step is the measure.
+    At nb = 8 the split kernel is bound by its own work per group, not by its reads: the same grid and
+    cp.async ring reading one layer's K/V and nothing else (`bench/stream.py`, H100) takes 44.9 µs (100.8 %
+    of the copy bandwidth; 45.3 with head-major pages, so the page layout is not what costs), against 58.9 µs
+    for this kernel in the step. One block per SM does as well as two: `slots` 132 (2 splits, 128 blocks of
+    32 groups) against the default 264 (4 splits, 256 blocks of 16 groups, two per SM), µs the split kernel
+    adds over five layers at nb = 8, one run: 283.6 against 294.4, the bf16 step 1.793 against 1.795 ms;
+    528 (8 splits) 314.1, 1.839 ms. So an SM takes ~1.8 µs per 64-key group whatever its block count; at
+    nb = 1 (128 blocks of five groups) the reads alone take 7.2 µs and the kernel ~11.
 
     `cluster` (0: off) is the largest span count merged in a cluster. 16 (the spans of 1-2, 4, 7-8 and 12-16
     sequences merged in their cluster, no merge kernel) is correct (bench/attention.py on an H200: 24/24 cases

@@ -573,6 +573,14 @@ class LinearMmaRule(FamilyRule):
           at nb = 1: 0.772 ms → 0.775 with eight slots for down and fc, 0.775 with both, though down's five
           calls added 98.1 → 88.6 µs to the timeline). Two weight tiles per block lost at every ring depth
           tried (o_proj FP8 7.29 → 8.79-11.35 with 3-12 slots of 4-16 k steps).
+          More warps along k did not help the narrow FP8 weights either (H100, one run, µs at 16 rows, default →
+          2-4 slots of 8 k steps and 8 warps, 2 of 16 and 16 warps): qkv 10.22 → 10.76-12.32, o_proj 7.28 →
+          7.40-8.30, down 20.40 → 19.62-21.07 (the step did not see down's gain with eight slots, above);
+          gate_up FP8 with 8 warps of 8 k steps 36.61 → 42.96, two tiles 36.75. These kernels are not bound by
+          x's reads from L2: at 1 row (x's copies past m zero-filled, no read) they take as long (o_proj FP8 7.14,
+          qkv 10.12). Nsight Compute on o_proj FP8 at 16 rows: 1.9 warps per scheduler, one issued every 2.8
+          cycles; stalls 25 % long scoreboard, 23 % fixed-latency waits, 19 % issuing, 11 % the slot barrier;
+          a warp's k step is ~143 instructions, 80 of them the e4m3 conversion (fp8_convert.py).
         """
         wide = wide_weight(spec, target)
         if wide:
