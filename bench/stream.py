@@ -40,6 +40,8 @@ import ctypes
 import json
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -271,15 +273,22 @@ class Runner:
 
         return self.time(record, launches)
 
+    @contextmanager
+    def copies(self, size: int, count: int) -> Iterator[list[int]]:
+        """`count` zeroed device buffers of `size` bytes, freed on exit."""
+        buffers = [self.device.alloc(size) for _ in range(count)]
+        try:
+            for b in buffers:
+                self.device.zero(b, size)
+            yield buffers
+        finally:
+            for b in buffers:
+                self.device.free(b)
+
     def kv_streams(self, buffers: list[int], kernel: str, seqs: int, splits: int) -> float:
         """Median µs per launch of the K/V stream `kernel` over `seqs` sequences' caches, `splits` per head."""
-        from cuda.bindings import driver as cu
-
-        from dflash_compiler.runtime.cuda import check
-
         smem = DEFAULT_STAGES * KV_SLOT_BYTES
-        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(cu.cuFuncSetAttribute(self.module.function(kernel), attr, smem), f"cuFuncSetAttribute({kernel})")
+        self.module.allow_shared(self.module.function(kernel), kernel, smem)
 
         def record(stream: Any) -> None:
             for i in range(KV_LAUNCHES):
@@ -287,6 +296,29 @@ class Runner:
                 self.launch(stream, kernel, False, (splits, KV_HEADS, seqs), args, WARPGROUP, smem)
 
         return self.time(record, KV_LAUNCHES)
+
+
+def _weight_rows(runner: Runner, copy: float, label: str, size: int, buffers: list[int]) -> list[dict[str, Any]]:
+    """The stream table's rows of one weight size (printed as they come): each grid in each launch mode, then
+    the chain with a small kernel."""
+    rows = []
+    for per_sm in BLOCKS_PER_SM:
+        grid = per_sm * runner.sm_count
+        in_flight = per_sm * THREADS * UNROLL * 16
+        cells, row = [], {"weight": label, "bytes": size, "blocks": grid, "in_flight_per_sm": in_flight}
+        for mode, (kernel, dependent) in MODES.items():
+            us = runner.streams(buffers, size, kernel, dependent, grid, chain=False)
+            row[mode] = us
+            cells.append(f"{us:8.2f} {100 * size / (us * 1e-6) / copy:6.1f}%")
+        rows.append(row)
+        print(f"{label:11s} {size >> 20:5d} {in_flight >> 10:7d} " + " ".join(cells))
+    grid = 4 * runner.sm_count
+    plain = runner.streams(buffers, size, "stream_plain", False, grid, chain=True)
+    early = runner.streams(buffers, size, "stream_loads_first", True, grid, chain=True)
+    print(f"{label:11s} chain of stream + small kernel, µs per pair: plain {plain:.2f}, dependent (loads "
+          f"first) {early:.2f} ({early / plain:.3f}x)")  # fmt: skip
+    rows.append({"weight": label, "bytes": size, "chain_plain_us": plain, "chain_dependent_us": early})
+    return rows
 
 
 def run_kv(runner: Runner, copy: float, splits_of: dict[int, int]) -> list[dict[str, Any]]:
@@ -298,18 +330,13 @@ def run_kv(runner: Runner, copy: float, splits_of: dict[int, int]) -> list[dict[
     rows = []
     for seqs, splits in splits_of.items():
         size = 2 * seqs * KV_ROWS * KV_HEADS * KV_DIM * 2
-        copies = max(2, -(-(3 * 60 << 20) // size))  # several L2s' worth
-        buffers = [runner.device.alloc(size) for _ in range(copies)]
-        for b in buffers:
-            runner.device.zero(b, size)
-        for layout, kernel in KV_LAYOUTS.items():
-            us = runner.kv_streams(buffers, kernel, seqs, splits)
-            pct = 100 * size / (us * 1e-6) / copy
-            print(f"{layout:6s} {seqs:3d} {splits * KV_HEADS * seqs:6d} {size / 1e6:7.1f} {us:8.2f} "
-                  f"{size / us / 1e3:6.0f} {pct:6.1f}%")  # fmt: skip
-            rows.append({"kv_layout": layout, "seqs": seqs, "splits": splits, "bytes": size, "us": us})
-        for b in buffers:
-            runner.device.free(b)
+        with runner.copies(size, max(2, -(-(3 * 60 << 20) // size))) as buffers:  # several L2s' worth
+            for layout, kernel in KV_LAYOUTS.items():
+                us = runner.kv_streams(buffers, kernel, seqs, splits)
+                pct = 100 * size / (us * 1e-6) / copy
+                print(f"{layout:6s} {seqs:3d} {splits * KV_HEADS * seqs:6d} {size / 1e6:7.1f} {us:8.2f} "
+                      f"{size / us / 1e3:6.0f} {pct:6.1f}%")  # fmt: skip
+                rows.append({"kv_layout": layout, "seqs": seqs, "splits": splits, "bytes": size, "us": us})
     return rows
 
 
@@ -323,28 +350,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"{'weight':11s} {'MiB':>5s} {'KiB/SM':>7s} " + " ".join(f"{m:>16s}" for m in MODES) + "   (µs, % of copy)")
     rows = []
     for label, size in SIZES.items():
-        copies = max(4, (3 * 60 << 20) // size)  # several L2s' worth
-        buffers = [runner.device.alloc(size) for _ in range(copies)]
-        for w in buffers:
-            runner.device.zero(w, size)
-        for per_sm in BLOCKS_PER_SM:
-            grid = per_sm * runner.sm_count
-            in_flight = per_sm * THREADS * UNROLL * 16
-            cells, row = [], {"weight": label, "bytes": size, "blocks": grid, "in_flight_per_sm": in_flight}
-            for mode, (kernel, dependent) in MODES.items():
-                us = runner.streams(buffers, size, kernel, dependent, grid, chain=False)
-                row[mode] = us
-                cells.append(f"{us:8.2f} {100 * size / (us * 1e-6) / copy:6.1f}%")
-            rows.append(row)
-            print(f"{label:11s} {size >> 20:5d} {in_flight >> 10:7d} " + " ".join(cells))
-        grid = 4 * runner.sm_count
-        plain = runner.streams(buffers, size, "stream_plain", False, grid, chain=True)
-        early = runner.streams(buffers, size, "stream_loads_first", True, grid, chain=True)
-        print(f"{label:11s} chain of stream + small kernel, µs per pair: plain {plain:.2f}, dependent (loads "
-              f"first) {early:.2f} ({early / plain:.3f}x)")  # fmt: skip
-        rows.append({"weight": label, "bytes": size, "chain_plain_us": plain, "chain_dependent_us": early})
-        for w in buffers:
-            runner.device.free(w)
+        with runner.copies(size, max(4, (3 * 60 << 20) // size)) as buffers:  # several L2s' worth
+            rows += _weight_rows(runner, copy, label, size, buffers)
     meta = json.loads((Path(args.bundle) / "meta.json").read_text())
     rows += run_kv(runner, copy, {int(nb): splits for nb, splits in meta["kv_splits"].items()})
     if args.json:

@@ -194,7 +194,7 @@ class Module:
         if 0 in grid:
             return  # nothing to do for zero rows
         func = self.function(launch.name)
-        self._allow_shared(func, launch.name, smem)
+        self.allow_shared(func, launch.name, smem)
         if non_portable(launch.cluster):
             self._allow_non_portable(func, launch.name)
         # the driver places a clustered grid cluster by cluster: spreading one block per SM would only leave
@@ -214,7 +214,7 @@ class Module:
         config.numAttrs = len(self._launch_attrs)
         check(cu.cuLaunchKernelEx(config, func, ctypes.addressof(argv), 0), what)
 
-    def _allow_shared(self, func: Any, name: str, smem: int) -> None:
+    def allow_shared(self, func: Any, name: str, smem: int) -> None:
         """Opt `func` in to `smem` bytes of dynamic shared memory where that is past the default limit."""
         if smem > _STATIC_SMEM_LIMIT and self._smem_raised.get(name, 0) < smem:
             attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -243,7 +243,7 @@ class Module:
             static = int(check(cu.cuFuncGetAttribute(static_attr, func), f"static shared memory of {name}"))
             padded = spread_dynamic_shared(blocks, per_sm, static, smem, self._sm)
             if padded != smem:
-                self._allow_shared(func, name, padded)
+                self.allow_shared(func, name, padded)
                 share, got = self._sm.fair_share(blocks), int(check(occupancy(func, threads, padded), name))
                 if got != share:
                     raise CudaError(
