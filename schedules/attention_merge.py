@@ -113,8 +113,9 @@ def merge_macro(spec: BlockAttentionSpec, splits: int, chunk: int, device: bool,
     before the wait for inputs, and its pass asks for every split's (max, sum) and outputs before it uses any.
     With the spans located after the wait and the pass split into the max's loads, then the weighted sums'
     loads, it waited for three round trips one after the other (sm_90 SASS: the length's load, the maxima's,
-    then the outputs' behind the first exp2); now the 4- and 8-wide passes wait for one, and in the 16-wide
-    one ptxas issues the last 28 of its 96 loads after the first exp2 (96 registers), so it waits for two.
+    then the outputs' behind the first exp2); then the 4- and 8-wide passes waited for one, and in the 16-wide
+    one, still of 4-byte loads, ptxas issued the last 28 of its 96 loads after the first exp2 (96 registers),
+    so it waited for two (the vector loads below came after that reading of the SASS).
 
     A split's four outputs of a thread are one 16-byte load and its (max, sum) one 8-byte load, and the four
     bf16 outputs one 8-byte store (every stride of the workspaces is a constant multiple of the vector). Four
