@@ -46,6 +46,11 @@ instead one kernel whose spans of a (sequence, kv head) are one thread block clu
 unnormalised rows and (max, sum) in its own shared memory, and the cluster merges them there
 (`cluster_merge_macro`), so no workspace is written and no merge kernel runs. Other span counts keep the
 two kernels. It is off by default (`AttentionWgmmaRule` has the figures).
+
+With knob `l2_ahead` f > 0 each group, once it has issued the copies of group grp + stages - 1, also prefetches
+into L2 the cached K/V lines of group grp + stages - 1 + f, through page-table entries it read one group earlier
+(the prologue reads the first ones), so that those copies, when their turn comes, read L2 rather than DRAM:
+the ring's depth in time without its shared memory. Off by default (`AttentionWgmmaRule` has the figures).
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ WGMMA_K = 16
 DEFAULT_STAGES = 3
 MERGE_STATS = 8  # f32 past a row's outputs in the cluster merge's tile: (max, sum), then pad (16-byte rows)
 MERGE_THREADS = WARPGROUP
+DEFAULT_L2_AHEAD = 0  # off: slower in the step (AttentionWgmmaRule says why); a tuning database may turn it on
 DEFAULT_CLUSTER = 0  # off: slower in the step (AttentionWgmmaRule says why); a tuning database may turn it on
 
 
@@ -105,6 +111,7 @@ class WgmmaAttentionPlan:
     cluster: int = 0  # > 0: span counts 2, 4, .. cluster run as one cluster that merges itself
     early: int = 0  # 1: span, length and first table entries located before the wait, Q by cp.async after it
     trigger: int = 0  # 1: the split kernel lets its dependents in once its last copies are issued (0: never)
+    l2_ahead: int = 0  # > 0: each group prefetches into L2 the cached K/V of the group this far past its copies
 
     @property
     def cluster_counts(self) -> tuple[int, ...]:
@@ -143,6 +150,7 @@ def fit_wgmma_attention(
     cluster: int = 0,
     early: int = 0,
     trigger: int = 0,
+    l2_ahead: int = 0,
 ) -> WgmmaAttentionPlan:
     """The plan for `spec` (which `wgmma_attention_fits` `target`) with these knobs, checked."""
     if not 1 <= splits <= 256:
@@ -169,8 +177,13 @@ def fit_wgmma_attention(
             f"{AttentionWgmmaRule.name} knob trigger={trigger}: expected 0 (the merge kernel comes in as the split's "
             "blocks exit) or 1 (once every split block has issued its last copies)"
         )
+    if not 0 <= l2_ahead <= 16:
+        raise ScheduleError(
+            f"{AttentionWgmmaRule.name} knob l2_ahead={l2_ahead}: expected 0 (off) to 16 groups past the ring's copies "
+            "whose cached K/V each group prefetches into L2"
+        )
     # the cluster merge's tile always fits: 64 · (head_dim + 8) floats against (1 + 2 · stages) · 64 · head_dim bf16
-    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster, early, trigger)
+    plan = WgmmaAttentionPlan(splits, slots, prefetch, stages, cluster, early, trigger, l2_ahead)
     if stages < 2:
         raise ScheduleError(
             f"{AttentionWgmmaRule.name} knob stages={stages}: expected 2 or more ring slots (one group multiplied "
@@ -255,6 +268,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
 
     early = bool(plan.early)
     trigger = bool(plan.trigger)
+    far = plan.l2_ahead
+    far_entries = fetch if far > 0 else 1
 
     def split_macro(cluster: int) -> Any:
         # cluster 0: the split kernel, partial results to the workspaces; else the kernel of `cluster` spans
@@ -277,6 +292,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                                                scope="shared.dyn")  # fmt: skip
                                     span = T.sblock_alloc_buffer((4,), "int32", scope="local")
                                     pt = T.sblock_alloc_buffer((fetch,), "int32", scope="local")
+                                    # l2_ahead: the table entries of the next group to prefetch into L2
+                                    pf = T.sblock_alloc_buffer((far_entries,), "int32", scope="local")
                                     sacc = T.sblock_alloc_buffer((4 * nts,), "float32", scope="local")
                                     pa = T.sblock_alloc_buffer((4 * nts,), DTYPE, scope="local")
                                     oacc = T.sblock_alloc_buffer((4 * dts,), "float32", scope="local")
@@ -355,6 +372,8 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                         T.evaluate(T.ptx["cp.async.commit_group"]())
                                     if ahead < groups:
                                         read_table(pt, block_table, s, n, start + ahead * KEYS, end, tid)
+                                    if far > 0 and ahead + far < groups:
+                                        read_table(pf, block_table, s, n, start + (ahead + far) * KEYS, end, tid)
                                     if cluster == 0 and trigger and groups <= ahead:
                                         # every copy is out: the merge grid may be launched
                                         T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))
@@ -375,6 +394,13 @@ def attention_wgmma_func(spec: BlockAttentionSpec, plan: WgmmaAttentionPlan) -> 
                                             T.evaluate(T.call_extern("void", LAUNCH_DEPENDENTS))  # the last copies
                                         if nxt + 1 < groups:
                                             read_table(pt, block_table, s, n, start + (nxt + 1) * KEYS, end, tid)
+                                        if far > 0 and nxt + far < groups:
+                                            # L2 lines of the group `far` past this copy, whose entries were read
+                                            # one group ago; then the entries of the next one
+                                            prefetch_group(pf, kv, g, n, start + (nxt + far) * KEYS, end, tid)
+                                            if nxt + far + 1 < groups:
+                                                read_table(pf, block_table, s, n, start + (nxt + far + 1) * KEYS, end,
+                                                           tid)  # fmt: skip
                                         for i in T.unroll(4 * nts):
                                             sacc[i] = T.float32(0)
                                         T.evaluate(T.call_extern("void", FENCE))
@@ -525,6 +551,14 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     at nb = 8, and at nb = 1 both grids claim 116,864 bytes a block to spread (runtime/placement.py). Only
     the merge's launch latency could be gained, and was not: the bf16 step on an H100 (bench/propose.py, both
     builds in one run, 0 → 1) took 1.288 → 1.296 ms at nb = 1 and 1.822 → 1.827 at nb = 8. So it is off.
+    `l2_ahead` f, each group prefetching into L2 the cached K/V of the group f past its copies (module
+    docstring), is correct (bench/kernels.py on an H100, f = 2: 3/3 cases at nb = 1 / 4 / 8 against numpy) and
+    lost, most at nb = 8 (H100, one run of four builds; µs the split kernel adds a layer at nb = 8, timeline;
+    bf16 step ms at nb = 1 / 8): 0 (default) 57.6, 1.260 / 1.739; 1: 61.0, 1.278 / 1.763; 2: 65.1, 1.275 /
+    1.783; 4: 74.9, 1.271 / 1.830 (FP8 at nb = 8: 1.473 → 1.488, 1.510, 1.560).
+    Nsight Compute on the split kernel at nb = 8, 0 → 2: 31.2 → 37.3 µs, DRAM 52 → 44 % busy. The ring's
+    copies do not wait on DRAM latency that a prefetch could hide; the prefetches only add requests. It
+    stays a knob for targets with slower memory (a tuning database may turn it on).
 
     Defaults from the H200, Qwen3-8B drafter step (`bench/propose.py --timeline`, 4096 cached rows, µs the
     split kernel adds over five layers at nb = 8; ms of the bf16 step at nb = 1 / 4 / 8 / 16):
@@ -582,7 +616,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     """
 
     name = "block_attention_wgmma"
-    knob_names = ("splits", "slots", "prefetch", "stages", "cluster", "early", "trigger")
+    knob_names = ("splits", "slots", "prefetch", "stages", "cluster", "early", "trigger", "l2_ahead")
 
     def default_knobs(self, target: Target) -> dict[str, int]:
         return {
@@ -593,6 +627,7 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
             "cluster": DEFAULT_CLUSTER,
             "early": 0,
             "trigger": 0,
+            "l2_ahead": DEFAULT_L2_AHEAD,
         }
 
     def apply(self, subject: Any, target: Target, knobs: Mapping[str, int] | None = None) -> Kernel | None:

@@ -100,7 +100,8 @@ def test_tiles_are_the_layouts_the_descriptors_describe(dim):
 def test_plans_and_knobs():
     knobs = AttentionWgmmaRule().default_knobs(SM90)
     assert knobs == {
-        "splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0, "early": 0, "trigger": 0
+        "splits": 16, "slots": 2 * SM90.sm_count, "prefetch": 2, "stages": 3, "cluster": 0, "early": 0, "trigger": 0,
+        "l2_ahead": 0,
     }  # fmt: skip
     assert fit_wgmma_attention(QWEN3_8B, SM90, 16, cluster=16).cluster_counts == (2, 4, 8, 16)
     assert fit_wgmma_attention(QWEN3_8B, SM90, 8, cluster=4).cluster_counts == (2, 4)
@@ -122,6 +123,8 @@ def test_plans_and_knobs():
         ({"cluster": 1}, "cluster=1"),
         ({"early": 2}, "early=2: expected 0 .* or 1"),
         ({"trigger": 2}, "trigger=2: expected 0 .* or 1"),
+        ({"l2_ahead": 17}, "l2_ahead=17: expected 0 .* to 16"),
+        ({"l2_ahead": -1}, "l2_ahead=-1"),
         ({"splits": 8, "cluster": 16}, r"min\(splits=8, 16\)"),
         ({"key_warps": 2}, "key_warps"),  # the mma rule's knob: not this rule's
     ):
@@ -145,6 +148,8 @@ def lowered():
         {"trigger": 1},
         {"trigger": 1, "stages": 2},
         {"splits": 20},  # one merge pass of 20 beside the narrow ones
+        {"l2_ahead": 2},
+        {"l2_ahead": 1, "stages": 2},
     ):
         other = AttentionWgmmaRule().apply(QWEN3_8B, SM90, knobs)
         name = other.name + "".join(f"_{k}{v}" for k, v in knobs.items())
@@ -266,6 +271,38 @@ def test_trigger_lets_the_merge_in_once_per_block_after_its_last_copies(lowered)
                 eval(in_loop, {"groups": groups, "grp": grp}) for grp in range(groups)
             )
             assert calls == 1, (kernel.name, groups, prologue, in_loop)
+
+
+def test_l2_ahead_prefetches_each_later_group_once_from_entries_read_a_group_before(lowered):
+    """With `l2_ahead` f each loop step, after the copies of group grp + ahead, prefetches into L2 the cached K/V
+    lines of group grp + ahead + f (ahead = stages - 1), through page-table entries read in the step before (the
+    prologue reads the first ones): every group from ahead + f on is prefetched once, by one guarded set of
+    prefetches per step. Without it the loop prefetches nothing."""
+    import re
+
+    from dflash_compiler.dependent_launch import PREFETCH_L2, WAIT, kernel_bodies
+
+    kernels, cuda = lowered
+    bodies = {name: cuda.source[slice(*span)] for name, span in kernel_bodies(cuda.source).items()}
+    assert sorted(kernel.knobs["l2_ahead"] for kernel in kernels if kernel.knobs["l2_ahead"]) == [1, 2]
+    for kernel in kernels:
+        split = bodies[cuda.functions[kernel.name].kernels[0].name]
+        far, ahead = kernel.knobs["l2_ahead"], kernel.knobs["stages"] - 1
+        loop_at = split.index("for (int grp = 0; grp < span_ptr[3]; ++grp)")
+        prologue, loop = split[split.index(f"{WAIT}();") : loop_at], split[loop_at:]
+        if not far:
+            assert PREFETCH_L2 not in loop and "pf_ptr" not in split, kernel.name
+            continue
+        keys = 64 * (ahead + far)
+        # the entries of group ahead + f, read before the loop; in the loop those of the group after
+        assert re.search(rf"pf_ptr\[0\] = block_table_ptr\[.*span_ptr\[0\]\) \+ {keys}\)", prologue), kernel.name
+        assert re.search(rf"pf_ptr\[0\] = block_table_ptr\[.*span_ptr\[0\]\) \+ {keys + 64}\)", loop), kernel.name
+        guards = re.findall(r"if \(\(grp \+ (\d+)\) < span_ptr\[3\]\) \{\n\s*if \(\(\(\(\(\(\(\(grp \* 64\)", loop)
+        assert guards == [str(ahead + far)], (kernel.name, guards)
+        slots = re.findall(r"int (slot_\d+) = max\(min\(pf_ptr\[\d\]", loop)
+        prefetched = re.findall(rf"{PREFETCH_L2}\(\(&\(kv_ptr\[\(+(?:pages \* 16384\) \+ \()?(slot_\d+) \* 16384", loop)
+        assert len(prefetched) == 2 * len(slots) > 0 and set(prefetched) == set(slots), kernel.name
+        assert all(f"span_ptr[0]) + {keys + 8 * i})" in loop for i in range(len(slots))), kernel.name
 
 
 def test_nvrtc_keeps_the_warpgroup_mmas_async(lowered):
