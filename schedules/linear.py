@@ -580,7 +580,12 @@ class LinearMmaRule(FamilyRule):
           x's reads from L2: at 1 row (x's copies past m zero-filled, no read) they take as long (o_proj FP8 7.14,
           qkv 10.12). Nsight Compute on o_proj FP8 at 16 rows: 1.9 warps per scheduler, one issued every 2.8
           cycles; stalls 25 % long scoreboard, 23 % fixed-latency waits, 19 % issuing, 11 % the slot barrier;
-          a warp's k step is ~143 instructions, 80 of them the e4m3 conversion (fp8_convert.py).
+          a warp's k step is ~143 instructions, 80 of them the e4m3 conversion (fp8_convert.py). Nor are they
+          bound by DRAM: with its whole e4m3 weight (16.8 MB) prefetched into L2 while head_prep and the
+          attention ran (a kernel of `cp.async.bulk.prefetch.L2` added to the step after qkv), o_proj FP8 took
+          8.5 µs in the step against 9.4 (H100, timeline, nb = 1): the kernel's own pace, ~2 TB/s, is the
+          limit. The prefetch kernel itself lost more than that (its grid completes only once its prefetches
+          have landed, which held head_prep 2.6 µs): the FP8 step 0.796 → 0.808 ms.
         """
         wide = wide_weight(spec, target)
         if wide:
@@ -736,7 +741,19 @@ def wgmma_defaults(
     → 29.10, o_proj 19.46 → 19.75, down 45.84 → 45.66; FP8 qkv 22.90 → 21.77 (three warpgroups, four
     splits), o_proj 13.88 → 14.09, down 38.43 → 37.86. Nsight Compute on the bf16 qkv GEMM at 128 rows (three
     warpgroups, one block per SM by registers and shared memory): DRAM 61 % busy, a third of the warps'
-    stalls at the slot's block barrier.
+    stalls at the slot's block barrier. Neither DRAM nor L2 is saturated by any of them at 128 rows, so x's
+    reads from L2 (twice the weight's bytes with one warpgroup) are not what bounds them; their few warps'
+    waits are. Nsight Compute, H100, one cold launch each, bf16 (µs; DRAM %; L2 %; warps per scheduler;
+    cycles without an eligible warp): o_proj 19.1; 58; 64; 1.9; 79 %, down 45.0; 70; 74; 1.9; 81 %, qkv 26.1;
+    62; 69; 3.1; 78 %, gate_up 82.5; 74; 74; 3.1; 79 %.
+    cuBLAS streams the narrow weights faster at 128 rows (torch's F.linear in a CUDA graph over weight copies
+    past L2, H100, µs a call; ours standalone through bench/linear.py, dependent launches): qkv 21.8 against
+    28.8, o_proj 15.8 against 19.6; at 16 rows ours are faster (qkv 18.2 against 22.0, o_proj 12.2 against
+    16.5). 64-row x tiles of one warpgroup, four slots and two splits for every linear above 64 rows (knobs,
+    one run; µs a call adds in the bf16 step at nb = 8, GEMM + merge) gained only on qkv, whose default is one
+    block of three warpgroups per SM: qkv 28.6 → 25.3, o_proj 20.5 → 20.6, down 43.2 → 47.9; the step 1.794 →
+    1.798 ms at nb = 8 and 2.516 → 2.768 at nb = 16 (four tiles each read the weight); four splits 1.881 at
+    nb = 8. Giving qkv's calls of 65-128 rows such tiles would take a third GEMM tier.
     """
     atoms = spec.k // 64
     # per weight row and split: m = rows f32 partial sums written and read back, against the row's weight
