@@ -594,6 +594,19 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     adds over five layers at nb = 8, one run: 283.6 against 294.4, the bf16 step 1.793 against 1.795 ms;
     528 (8 splits) 314.1, 1.839 ms. So an SM takes ~1.8 µs per 64-key group whatever its block count; at
     nb = 1 (128 blocks of five groups) the reads alone take 7.2 µs and the kernel ~11.
+    Nor does the kernel's own work per group set that pace. Nsight Compute (H100, nb = 4, one cold launch)
+    put a warp's group at ~545 instructions, 6.8 cycles apart: 127 for the copies (20 of them reloads of kernel
+    parameters, whose waits were a tenth of the loop's stalls), 121 for Q·Kᵀ (~90 building wgmma descriptors
+    from pointers), 252 for the softmax, and waits for the copies (12 %), the barrier (10 %) and the wgmmas
+    (14 %). Cutting it to ~400 (a copy branch for groups of cached keys alone, V as K one cache half on;
+    descriptors built once per tile and offset by constants), leaving each group's P·V in flight into the
+    next group (one ring slot fewer ahead), and four to six slots at one block per SM all left the split
+    kernel where it was (H100, two runs, µs it adds a layer at nb = 8, timeline; the default 57.2-57.6):
+    fewer instructions 57.7; `slots` 132 with them 55.9; four slots 55.9, six 57.6; P·V in flight at three
+    slots and two blocks per SM 55.7, at four and five slots and one block 55.5 and 55.4; the bf16 step at nb
+    = 8 1.730-1.741 ms against 1.735-1.736, FP8 1.462-1.477 against 1.476-1.480. So 134 MB a layer move at
+    ~80 % of the copy bandwidth whatever the instruction count, ring depth, block count or overlap; none of
+    these was kept.
 
     `cluster` (0: off) is the largest span count merged in a cluster. 16 (the spans of 1-2, 4, 7-8 and 12-16
     sequences merged in their cluster, no merge kernel) is correct (bench/attention.py on an H200: 24/24 cases
