@@ -17,7 +17,10 @@ prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per nb
 of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when each kernel of one
 replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two bundles). Given
 several bundles, `run` measures each one's variants in turn in the same process (one checkpoint, one copy
-bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two builds.
+bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two builds. Later bundles measure
+slower: on an H100 one build measured first and again third (two copies, three bundles) took 1.487 / 1.739 /
+2.482 ms and 1.497 / 1.750 / 2.509 ms at nb = 4 / 8 / 16. So give the candidate between two copies of its
+baseline (directories of different names) and compare it with both.
 Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its drafts are not
 compared.
 """

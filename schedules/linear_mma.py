@@ -151,6 +151,7 @@ def mma_gemv_func(
     gemm: tuple[int, TiledPlan | WgmmaPlan] | None = None,
     small: TiledPlan | None = None,
     mid: WgmmaPlan | None = None,
+    tall: tuple[int, WgmmaPlan] | None = None,
 ) -> Any:
     """The CUDA-scheduled PrimFunc of `spec` (params x, w[, scale], y) following `plan`.
 
@@ -159,7 +160,8 @@ def mma_gemv_func(
     for m <= rows (or, with `small`, a second tiled kernel of that plan, which must not split k), the GEMM
     above (with, for k splits, its workspace and merge kernel); the kernel table records each launch's
     condition (codegen.KernelLaunch.when). With `mid`, a second warpgroup GEMM, the calls above rows and up
-    to mid.block_m rows go to it instead.
+    to mid.block_m rows go to it instead; with `tall = (tall_rows, plan)`, a third, the calls above those and
+    up to tall_rows rows, in x tiles of plan.block_m rows.
     """
     from tvm.script import tirx as T
 
@@ -176,6 +178,13 @@ def mma_gemv_func(
             f"{spec.name}: a GEMM for calls up to {mid.block_m} rows was given with gemm={gemm}; expected gemm = "
             "(rows, plan) with rows below its tile, whose calls above it go to the larger GEMM"
         )
+    below = mid.block_m if mid is not None else gemm[0] if gemm is not None else 0
+    if tall is not None and (gemm is None or not below < tall[0] or tall[1].block_m > tall[0]):
+        raise ScheduleError(
+            f"{spec.name}: a GEMM for calls up to {tall[0]} rows in tiles of {tall[1].block_m} was given with "
+            f"gemm={gemm}, mid={mid}; expected a GEMM above rows, and tall rows above the tiers below it, at least "
+            "its tile's"
+        )
     if spec.tiled_only and (gemm is None or small is None or gemm[1].k_splits != 1):
         raise ScheduleError(
             f"{spec.name}: its epilogue runs on tiled kernels without k splits; found gemm={gemm}, "
@@ -187,11 +196,24 @@ def mma_gemv_func(
         large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
         middle = wgmma_body_macro(spec, mid) if mid is not None else None
         mid_rows = mid.block_m if mid is not None else 0
+        taller = wgmma_body_macro(spec, tall[1]) if tall is not None else None
+        tall_rows, tall_plan = tall if tall is not None else (0, None)
 
         @T.macro
         def run_large(x, w, scale, y, m):
             part = T.sblock_alloc_buffer(partials_shape(spec, tiled, m), "float32")
             large(x, w, scale, y, m, part)
+
+        @T.macro
+        def run_above_mid(x, w, scale, y, m):
+            if tall_plan is not None:
+                if m <= tall_rows:
+                    tall_part = T.sblock_alloc_buffer(partials_shape(spec, tall_plan, m), "float32")
+                    taller(x, w, scale, y, m, tall_part)
+                else:
+                    run_large(x, w, scale, y, m)
+            else:
+                run_large(x, w, scale, y, m)
 
         @T.macro
         def body(x, w, scale, y, m):
@@ -206,9 +228,9 @@ def mma_gemv_func(
                     mid_part = T.sblock_alloc_buffer(partials_shape(spec, mid, m), "float32")
                     middle(x, w, scale, y, m, mid_part)
                 else:
-                    run_large(x, w, scale, y, m)
+                    run_above_mid(x, w, scale, y, m)
             else:
-                run_large(x, w, scale, y, m)
+                run_above_mid(x, w, scale, y, m)
 
     if spec.fp8:
 

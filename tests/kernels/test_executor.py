@@ -85,15 +85,16 @@ def test_every_launch_gets_every_pointer_and_its_sizes(manifest):
     ex.run(dims)
     plan = manifest.phases["propose"]
     # a linear holds its kernel for few rows (GEMV mode or the small tiled plan), on sm_90 the 64-row GEMM of
-    # the calls up to mid_rows, and the tiled GEMM (each GEMM with its merge kernel where k is split); each
-    # call launches what its row count selects: one GEMM and its merge, or the few-rows kernel
+    # the calls up to mid_rows (and, for qkv-like weights, that of the calls up to tall_rows), and the tiled
+    # GEMM (each GEMM with its merge kernel where k is split); each call launches what its row count selects:
+    # one GEMM and its merge, or the few-rows kernel
     launches = []
     for call in plan.calls:
         env = {var: eval_dim(expr, dims) for var, expr in call.sizes}
         kernels = manifest.kernels[call.kernel].kernels
         chosen = [k for k in kernels if k.runs(env)]
         if call.kernel.startswith("matmul"):
-            assert 2 <= len(kernels) <= 5, call.node
+            assert 2 <= len(kernels) <= 7, call.node
             if env["m"] <= 32:
                 assert chosen == [kernels[0]], (call.node, env)
             else:
