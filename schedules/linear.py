@@ -445,17 +445,25 @@ class LinearMmaRule(FamilyRule):
                              **tall_used},
                       spec=spec)  # fmt: skip
 
+    def _tier_knobs(
+        self, spec: LinearSpec, knobs: Mapping[str, int], tier: str, names: tuple[str, ...]
+    ) -> tuple[int, dict[str, int]]:
+        """(`<tier>_rows`, the `<tier>_<name>` knobs given, by name) of the mid or tall GEMM; its shape knobs
+        without its rows are refused."""
+        rows = knobs[f"{tier}_rows"]
+        given = {name: knobs[f"{tier}_{name}"] for name in names if knobs[f"{tier}_{name}"] != 0}
+        if given and not rows:
+            raise ScheduleError(
+                f"{self.name} knobs {', '.join(f'{tier}_{name}' for name in given)} on {spec.name}: they shape the "
+                f"GEMM of the calls up to {tier}_rows rows, and {tier}_rows is 0. Fix: drop them, or set {tier}_rows"
+            )
+        return rows, given
+
     def _mid_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan | None:
         """The warpgroup GEMM of the calls of gemm_rows + 1 to mid_rows rows (None: mid_rows 0): x tiles of
         mid_rows rows, the knobs given, the rest `mid_defaults`."""
-        rows = knobs["mid_rows"]
-        given = {name: knobs[f"mid_{name}"] for name in MID_KNOBS if knobs[f"mid_{name}"] != 0}
+        rows, given = self._tier_knobs(spec, knobs, "mid", MID_KNOBS)
         if not rows:
-            if given:
-                raise ScheduleError(
-                    f"{self.name} knobs {', '.join(f'mid_{name}' for name in given)} on {spec.name}: they shape the "
-                    "GEMM of the calls up to mid_rows rows, and mid_rows is 0. Fix: drop them, or set mid_rows"
-                )
             return None
         beside = knobs["gemm_rows"] and knobs["gemm_wgmma"] == 1  # the warpgroup GEMM takes the calls above it
         if not beside or rows % 8 or not knobs["gemm_rows"] < rows <= 256:
@@ -475,14 +483,8 @@ class LinearMmaRule(FamilyRule):
     ) -> tuple[int, WgmmaPlan] | None:
         """(tall_rows, plan) of the warpgroup GEMM of the calls of `below` + 1 (mid_rows, or gemm_rows without a
         mid GEMM) to tall_rows rows (None: tall_rows 0): the knobs given, the rest `tall_defaults`."""
-        rows = knobs["tall_rows"]
-        given = {name: knobs[f"tall_{name}"] for name in TALL_KNOBS if knobs[f"tall_{name}"] != 0}
+        rows, given = self._tier_knobs(spec, knobs, "tall", TALL_KNOBS)
         if not rows:
-            if given:
-                raise ScheduleError(
-                    f"{self.name} knobs {', '.join(f'tall_{name}' for name in given)} on {spec.name}: they shape the "
-                    "GEMM of the calls up to tall_rows rows, and tall_rows is 0. Fix: drop them, or set tall_rows"
-                )
             return None
         beside = knobs["gemm_rows"] and knobs["gemm_wgmma"] == 1
         if not beside or rows % 8 or not below < rows <= 256 or given.get("block_m", 8) % 8:
