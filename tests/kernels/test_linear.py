@@ -194,12 +194,12 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 
 
 def _gemv_knobs(kernel):
-    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_*, mid_* and
+    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_*, mid_*, tall_* and
     gemv_tiled_*)."""
     return {
         k: v
         for k, v in kernel.knobs.items()
-        if not k.startswith(("gemm_", "gemv_tiled_", "wgmma_", "mid_")) or k == "gemm_rows"
+        if not k.startswith(("gemm_", "gemv_tiled_", "wgmma_", "mid_", "tall_")) or k == "gemm_rows"
     }
 
 
@@ -208,10 +208,11 @@ def _lower(kernel, target=SM90):
     cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
     launches = cuda.functions[kernel.name].kernels
     # GEMV mode alone, or with the tiled GEMM above gemm_rows (and its merge kernel for k splits), and on
-    # sm_90 the 64-row one below mid_rows (and its merge)
+    # sm_90 the 64-row one below mid_rows and, for qkv-like weights, the one below tall_rows (and their merges)
     splits = kernel.knobs.get("gemm_k_splits", kernel.knobs.get("wgmma_k_splits"))
     mid = 1 + (kernel.knobs["mid_k_splits"] > 1) if kernel.knobs.get("mid_rows") else 0
-    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (splits > 1) + mid)
+    tall = 1 + (kernel.knobs["tall_k_splits"] > 1) if kernel.knobs.get("tall_rows") else 0
+    assert len(launches) == (1 if not kernel.knobs.get("gemm_rows") else 2 + (splits > 1) + mid + tall)
     assert "2147483647" not in cuda.source  # no local buffer sized by the symbolic m
     return cuda, launches[0]
 
