@@ -556,16 +556,12 @@ class LinearMmaRule(FamilyRule):
         small = small_tiled_plan(spec, target, knobs) if gemm and knobs["gemv_tiled_stages"] else None
         mid = self._mid_plan(spec, target, knobs)
         tall = self._tall_plan(spec, target, knobs, mid.block_m if mid else rows)
-        if spec.tiled_only and tall is not None and tall[1].k_splits != 1:
-            raise ScheduleError(
-                f"{self.name} knob tall_k_splits={tall[1].k_splits} on {spec.name}: its epilogue takes whole sums. "
-                "Fix: tall_k_splits 1"
-            )
-        if spec.tiled_only and mid is not None and mid.k_splits != 1:
-            raise ScheduleError(
-                f"{self.name} knob mid_k_splits={mid.k_splits} on {spec.name}: its epilogue takes whole sums. Fix: "
-                "mid_k_splits 1"
-            )
+        for tier, tier_plan in (("mid", mid), ("tall", tall[1] if tall else None)):
+            if spec.tiled_only and tier_plan is not None and tier_plan.k_splits != 1:
+                raise ScheduleError(
+                    f"{self.name} knob {tier}_k_splits={tier_plan.k_splits} on {spec.name}: its epilogue takes whole "
+                    f"sums. Fix: {tier}_k_splits 1"
+                )
         if spec.tiled_only and (small is None or gemm is None or gemm.k_splits != 1):
             raise ScheduleError(
                 f"{self.name} knobs x_stages={plan.x_stages}, gemm_rows={rows}, gemv_tiled_stages="

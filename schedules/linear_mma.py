@@ -196,24 +196,24 @@ def mma_gemv_func(
         large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
         middle = wgmma_body_macro(spec, mid) if mid is not None else None
         mid_rows = mid.block_m if mid is not None else 0
-        taller = wgmma_body_macro(spec, tall[1]) if tall is not None else None
-        tall_rows, tall_plan = tall if tall is not None else (0, None)
 
         @T.macro
         def run_large(x, w, scale, y, m):
             part = T.sblock_alloc_buffer(partials_shape(spec, tiled, m), "float32")
             large(x, w, scale, y, m, part)
 
-        @T.macro
-        def run_above_mid(x, w, scale, y, m):
-            if tall_plan is not None:
+        run_above_mid = run_large
+        if tall is not None:
+            tall_rows, tall_plan = tall
+            taller = wgmma_body_macro(spec, tall_plan)
+
+            @T.macro
+            def run_above_mid(x, w, scale, y, m):
                 if m <= tall_rows:
                     tall_part = T.sblock_alloc_buffer(partials_shape(spec, tall_plan, m), "float32")
                     taller(x, w, scale, y, m, tall_part)
                 else:
                     run_large(x, w, scale, y, m)
-            else:
-                run_large(x, w, scale, y, m)
 
         @T.macro
         def body(x, w, scale, y, m):
