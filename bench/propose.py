@@ -452,13 +452,17 @@ class TorchPeer:
 def _torch_weights(artifact: Path, dev: str = "cuda") -> dict[str, Any]:
     import torch
 
-    from dflash_compiler.artifact import WEIGHTS
+    from dflash_compiler.artifact import WEIGHTS, load_manifest
+    from dflash_compiler.weight_tiles import from_tiles
     from dflash_compiler.weights import WeightSet
 
     stored = WeightSet(artifact / WEIGHTS)
+    manifest = load_manifest(artifact, unread=(WEIGHTS,))
     out = {}
     for name in stored.names():
         a = stored.get(name)
+        if manifest.weights[name].decl["transform"] == "tiles":  # the peer multiplies row-major weights
+            a = from_tiles(a)
         if str(a.dtype) == "bfloat16":
             out[name] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dev)
         else:

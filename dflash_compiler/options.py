@@ -47,6 +47,11 @@ class BuildOptions(BaseModel):
         "2.396 / 4.293 ms with it and 1.097 / 1.987 / 2.428 / 4.266 ms without at nb = 1 / 4 / 8 / 16 "
         "(bench/propose.py)",
     )
+    weight_tiles: bool = Field(
+        default=True,
+        description="store the linears' own weights as 64 x 64 tiles, so a GEMM's slot of weight rows is one "
+        "contiguous run (ir_passes/tile_weights.py); off: row-major",
+    )
     sliding_window_only: bool = Field(
         default=False, description="sliding-window layers keep only their window of context rows"
     )

@@ -35,6 +35,7 @@ from dflash_compiler.ir_passes.fuse_residual_norm import fuse_residual_norm
 from dflash_compiler.ir_passes.plan_memory import plan_memory
 from dflash_compiler.ir_passes.select_rope import select_rope
 from dflash_compiler.ir_passes.size_kv_cache import size_kv_cache
+from dflash_compiler.ir_passes.tile_weights import tile_weights
 from dflash_compiler.lower import Program, lower
 from dflash_compiler.options import BuildOptions, Precision
 from dflash_compiler.plans import PlanError
@@ -55,6 +56,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("fuse_lm_head_argmax", fuse_lm_head_argmax),
     ("fuse_block_embed", fuse_block_embed),
     ("fuse_gate_up_silu", fuse_gate_up_silu),
+    ("tile_weights", tile_weights),
     ("size_kv_cache", size_kv_cache),
     ("plan_memory", plan_memory),
 ]

@@ -35,6 +35,7 @@ from dflash_compiler.cluster import MAX_PORTABLE
 from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.targets import Target
+from dflash_compiler.weight_tiles import TILE, tile_index, tileable, to_tiles
 
 from .argmax import RANK_BASE, chunk_partials, coarse_bf16, default_chunk, index_of, merge_partials
 from .base import EXACT, FamilyRule, Kernel, KernelSpec, OpInstance, Param, ScheduleError, Tolerance
@@ -99,6 +100,7 @@ class LinearSpec(KernelSpec):
     k: int
     weight_dtype: str = BF16
     out_dtype: str = ""
+    tiles: int = 0  # the weight's layout: 0 row-major, TILE 64 x 64 tiles (weight_tiles.py)
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -130,10 +132,16 @@ class LinearSpec(KernelSpec):
                 f"linear: the weight has {self.n * self.k} elements; the kernels index it with int32 (< 2^31). "
                 "Fix: split the linear along n"
             )
+        if self.tiles not in (0, TILE) or (self.tiles and not tileable(self.n, self.k)):
+            raise ScheduleError(
+                f"linear: weight layout tiles={self.tiles} for a [{self.n}, {self.k}] weight; expected 0 (row-major) "
+                f"or {TILE} (tiled: n and k multiples of {TILE})"
+            )
         if not self.name:
             fp8 = "_fp8" if self.op in _FP8_NAMED and self.fp8 else ""
             out = "" if self.out_dtype == _DEFAULT_OUT[self.op] else "_f32" if self.out_dtype == F32 else "_bf16"
-            object.__setattr__(self, "name", f"{self.op}{fp8}_n{self.n}_k{self.k}{out}")
+            tiles = f"_t{self.tiles}" if self.tiles else ""
+            object.__setattr__(self, "name", f"{self.op}{fp8}_n{self.n}_k{self.k}{out}{tiles}")
 
     @property
     def fp8(self) -> bool:
@@ -184,6 +192,8 @@ class LinearSpec(KernelSpec):
     def node(self) -> Node:
         """The graph node this spec computes (the reference evaluates it with the graph interpreter)."""
         attrs = {"group": SILU_GROUP} if self.silu else {}
+        if self.tiles:
+            attrs["weight_tiles"] = self.tiles
         return Node.make(Op(self.op), [TensorType(self.out_dtype, self.out_shape)], **attrs)
 
     def reference(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -217,6 +227,8 @@ class LinearSpec(KernelSpec):
             arrays["y"] = np.full(self.out_dims(rows), -7, np.int32)
         else:
             arrays["y"] = np.zeros(self.out_dims(rows), ml_dtypes.bfloat16 if self.out_dtype == BF16 else np.float32)
+        if self.tiles:  # drawn row-major (tie_at_the_max places rows), stored as the kernels read it
+            arrays["w"] = to_tiles(arrays["w"])
         return arrays
 
 
@@ -262,7 +274,8 @@ def linear_func(spec: LinearSpec) -> Any:
     r = te.reduce_axis((0, spec.k), name="r")
 
     def weight(j: Any, kk: Any) -> Any:
-        return e4m3_to_f32(w[j, kk]) if spec.fp8 else w[j, kk].astype(F32)
+        value = w[tile_index(spec.tiles, j, kk, spec.k)]
+        return e4m3_to_f32(value) if spec.fp8 else value.astype(F32)
 
     acc = te.compute((m, spec.n), lambda i, j: te.sum(x[i, r].astype(F32) * weight(j, r), axis=r), name="acc")
     out = F32 if spec.tiled_only else spec.out_dtype
@@ -336,7 +349,8 @@ def spec_of(subject: Any) -> LinearSpec | None:
     if not picks and (out.dtype not in (BF16, F32) or out.shape[1] != (n // 2 if silu else n)):
         return None
     try:
-        return LinearSpec(op=subject.op.value, n=n, k=k, weight_dtype=w.dtype, out_dtype=out.dtype)
+        tiles = int(subject.attr("weight_tiles", 0))
+        return LinearSpec(op=subject.op.value, n=n, k=k, weight_dtype=w.dtype, out_dtype=out.dtype, tiles=tiles)
     except ScheduleError:
         return None  # e.g. a bf16 weight under matmul_fp8: not a linear this family computes
 

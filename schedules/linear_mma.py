@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT
+from dflash_compiler.weight_tiles import tile_index
 
 from .base import ScheduleError
 from .linear_argmax import pick_blocks
@@ -309,12 +310,18 @@ def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
         for u in T.unroll(unroll):
             for rt in T.unroll(row_tiles):
                 for h in T.unroll(2):
-                    for v in T.vectorized(vec):
-                        # rows past n (ragged last block) read row n-1: mma row i only feeds output row i
-                        wl[slot, u, rt, h, v] = w[
+                    # rows past n (ragged last block) read row n-1: mma row i only feeds output row i; the
+                    # vector's first element through the layout, the rest beside it (one tile row holds it)
+                    wi = T.meta_var(
+                        tile_index(
+                            spec.tiles,
                             T.min(bx * block_rows + ty // warps * warp_rows + rt * 16 + h * 8 + tx // 4, n - 1),
-                            (ty % warps * steps_per_warp + batch * unroll + u) * step_k + tx % 4 * vec + v,
-                        ]
+                            (ty % warps * steps_per_warp + batch * unroll + u) * step_k + tx % 4 * vec,
+                            spec.k,
+                        )
+                    )
+                    for v in T.vectorized(vec):
+                        wl[slot, u, rt, h, v] = w[wi[0], wi[1] + v]
             if x_stages == 0:
                 for mg in T.unroll(m_groups):
                     if mc * m_tile + mg * 8 < m:  # warp-uniform: 8-row groups past m load nothing
@@ -479,11 +486,13 @@ def _body_macro(spec: LinearSpec, plan: MmaPlan) -> Any:
                         for u in T.unroll(prefetch_steps):
                             for rt in T.unroll(row_tiles):
                                 for h in T.unroll(2):
-                                    T.evaluate(T.call_extern("void", PREFETCH_L2, T.address_of(w[
+                                    T.evaluate(T.call_extern("void", PREFETCH_L2, T.address_of(w[tile_index(
+                                        spec.tiles,
                                         T.min(bx * block_rows + ty // warps * warp_rows + rt * 16 + h * 8 + tx // 4,
                                               n - 1),
                                         (ty % warps * steps_per_warp + u) * step_k + tx % 4 * vec,
-                                    ])))  # fmt: skip
+                                        spec.k,
+                                    )])))  # fmt: skip
                         T.evaluate(T.call_extern("void", WAIT))
                         for mc in range(T.ceildiv(m, m_tile)):
                             chunk(x, w, scale, y, m, bx, ty, tx, mc, red, xs, wl, xl, af, bf, acc, total)

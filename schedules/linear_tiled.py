@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
+from dflash_compiler.weight_tiles import tile_index
 
 from .base import ScheduleError
 from .linear_argmax import pick_macro, pick_merge_macro
@@ -161,8 +162,12 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                 if w_chunks % threads == 0 or c < w_chunks:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
                         T.address_of(ws[slot, row, swizzle(c % w_chunks_row, row, 1, w_chunks_row) * vec]),
-                        T.address_of(w[T.min(bn * bn_rows + row, n - 1),
-                                       (ks * per_split + step) * k_steps * step_k + c % w_chunks_row * vec]),
+                        T.address_of(w[tile_index(
+                            spec.tiles,
+                            T.min(bn * bn_rows + row, n - 1),
+                            (ks * per_split + step) * k_steps * step_k + c % w_chunks_row * vec,
+                            spec.k,
+                        )]),
                         16,
                     ))  # fmt: skip
 

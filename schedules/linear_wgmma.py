@@ -64,6 +64,7 @@ from dflash_compiler.cluster import ADD4, DIMS, SYNC
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT
 from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
 from dflash_compiler.mbarrier import ARRIVE, BARRIER_BYTES, INIT, NAMED_SYNC, WAIT_PARITY
+from dflash_compiler.weight_tiles import tile_index
 from dflash_compiler.wgmma import (
     COMMIT,
     FENCE,
@@ -235,9 +236,13 @@ def _slot_macros(spec: LinearSpec, plan: WgmmaPlan, threads: int, converters: in
                 if w_chunks % threads == 0 or c < w_chunks:
                     T.evaluate(T.ptx["cp.async.cg.shared.global"](
                         T.address_of(ws[slot, atom, row, w_column(c, row)]),
-                        T.address_of(w[T.min(bn * bn_rows + row, n - 1),
-                                       ((ks * per_split + step) * k_atoms + atom) * ATOM_K
-                                       + c % w_row_chunks * (16 // plan.weight_bytes)]),
+                        T.address_of(w[tile_index(
+                            spec.tiles,
+                            T.min(bn * bn_rows + row, n - 1),
+                            ((ks * per_split + step) * k_atoms + atom) * ATOM_K
+                            + c % w_row_chunks * (16 // plan.weight_bytes),
+                            k,
+                        )]),
                         16,
                     ))  # fmt: skip
 

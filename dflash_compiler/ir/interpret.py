@@ -22,6 +22,7 @@ from dflash_compiler.ir.graph import Graph, Node, Ref, eval_dim
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.ir.weights import WeightCache, e4m3_as_f32
 from dflash_compiler.rope import RopeSpec, apply_rope, cos_sin, rope_tables
+from dflash_compiler.weight_tiles import from_tiles
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -204,14 +205,19 @@ def _drop_anchor(node: Node, args: list[np.ndarray]) -> np.ndarray:
     return x.reshape(-1, blk, x.shape[-1])[:, 1:].reshape(-1, x.shape[-1])
 
 
+def _weight_rows(node: Node, w: np.ndarray) -> np.ndarray:
+    """A linear's weight row-major: tiled weights (attribute ``weight_tiles``, weight_tiles.py) untiled."""
+    return from_tiles(w) if node.attr("weight_tiles", 0) else w
+
+
 def _matmul_fp8(node: Node, args: list[np.ndarray]) -> np.ndarray:
     x, w8, scale = args
-    return (_f32(x) @ _f32(w8).T) * _f32(scale)[None, :]
+    return (_f32(x) @ _f32(_weight_rows(node, w8)).T) * _f32(scale)[None, :]
 
 
 def _linear(node: Node, args: list[np.ndarray]) -> np.ndarray:
     """x @ W.T, times the per-row scales in the FP8 form (x, W8, scale)."""
-    return _matmul_fp8(node, args) if len(args) == 3 else _f32(args[0]) @ _f32(args[1]).T
+    return _matmul_fp8(node, args) if len(args) == 3 else _f32(args[0]) @ _f32(_weight_rows(node, args[1])).T
 
 
 def _matmul_silu(node: Node, args: list[np.ndarray]) -> np.ndarray:

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from dflash_compiler.row_blocks import for_row_blocks
+from dflash_compiler.weight_tiles import to_tiles
 
 FP8_E4M3_MAX = 448.0
 _E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -150,6 +151,10 @@ def interleave_rows(x: np.ndarray, *, group: int) -> tuple[np.ndarray, ...]:
     return (np.ascontiguousarray(blocks.swapaxes(0, 1)).reshape(x.shape),)
 
 
+def _tiles(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (to_tiles(x),)
+
+
 def _rope_inv_freq(*, inv_freq: tuple[float, ...]) -> tuple[np.ndarray, ...]:
     return (np.asarray(inv_freq, np.float32),)
 
@@ -159,6 +164,7 @@ TRANSFORMS: dict[str, Callable[..., tuple[np.ndarray, ...]]] = {
     "concat_rows": _concat_rows,
     "fp8_e4m3_rows": _fp8_rows,
     "interleave_rows": interleave_rows,
+    "tiles": _tiles,  # 64 x 64 tiles, for the kernels that read the weight so (dflash_compiler/weight_tiles.py)
     "rope_inv_freq": _rope_inv_freq,
 }
 

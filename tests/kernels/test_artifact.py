@@ -201,8 +201,16 @@ def test_pack_weights_writes_the_declared_tensors(built, checkpoint, tmp_path):
         assert str(got.dtype) == record.dtype and got.shape == record.shape
         want = cache.get(WeightDecl.from_json(record.decl)).astype(np.float32)
         np.testing.assert_array_equal(got.astype(np.float32), want.astype(got.dtype).astype(np.float32), err_msg=name)
-    fused = [n for n, r in manifest.weights.items() if r.decl["transform"] == "concat_rows"]
+    fused = [n for n, r in manifest.weights.items() if "concat_rows" in _transforms(r.decl)]
     assert fused, "the tiny drafter has fused K/V, QKV and gate/up weights"
+    tiled = [n for n, r in manifest.weights.items() if r.decl["transform"] == "tiles"]
+    assert tiled, "the tiny drafter's 64-row linear weights are stored as tiles (the check above compares them)"
+
+
+def _transforms(decl: dict) -> list[str]:
+    """Every transform of a declaration's JSON form, nested sources included."""
+    nested = [t for s in decl["sources"] if isinstance(s, dict) for t in _transforms(s)]
+    return [decl["transform"], *nested]
 
 
 def test_pack_weights_refuses_another_drafter(built, tmp_path):

@@ -114,8 +114,8 @@ def test_plan_prints_plans_and_dumps_every_step(tmp_path):
     assert "kv 2065 pages x 327680 B" in result.output
     assert "propose memory" in result.output and "naive" in result.output
     dumps = sorted(p.name for p in tmp_path.iterdir())
-    assert len(dumps) == 2 * 14  # lowering + 13 passes, both phases
-    assert dumps[0] == "00_lower.append_context.txt" and dumps[-1] == "13_plan_memory.propose.txt"
+    assert len(dumps) == 2 * 15  # lowering + 14 passes, both phases
+    assert dumps[0] == "00_lower.append_context.txt" and dumps[-1] == "14_plan_memory.propose.txt"
     assert "matmul" in (tmp_path / "01_fuse_context_kv.append_context.txt").read_text()
 
 
