@@ -207,6 +207,9 @@ def compile(
     dependent_launch: Annotated[
         bool, typer.Option(help="let each kernel start while the one before it drains (programmatic dependent launch)")
     ] = True,
+    weight_tiles: Annotated[
+        bool, typer.Option(help="store the linears' own weights as 64 x 64 tiles (else row-major)")
+    ] = True,
     force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
     dump_dir: DumpDir = None,
     knob: Knob = None,
@@ -238,6 +241,7 @@ def compile(
             exclude=tuple(exclude or ()),
             kv_budget_bytes=kv_budget_bytes,
             dependent_launch=dependent_launch,
+            weight_tiles=weight_tiles,
             knobs=knob_overrides(knob or ()),
         )
         chosen = get_target(target)

@@ -100,6 +100,19 @@ def test_knob_overrides_reach_the_kernels_and_the_manifest(tmp_path):
     assert shown.exit_code == 0 and "knob overrides" in shown.output and "rmsnorm_h64" in shown.output
 
 
+def test_weight_layout_option_reaches_the_graph_and_the_manifest(tmp_path):
+    write_example("tiny-dflash", tmp_path / "ckpt", seed=2)
+    tiled, rows = tmp_path / "tiled", tmp_path / "rows"
+    assert _compile_tiny(tmp_path, tiled).exit_code == 0
+    result = _compile_tiny(tmp_path, rows, "--no-weight-tiles")
+    assert result.exit_code == 0, result.output
+    on, off = load_manifest(tiled), load_manifest(rows)
+    assert on.options.weight_tiles and not off.options.weight_tiles
+    assert any(r.decl["transform"] == "tiles" for r in on.weights.values())
+    assert not any(r.decl["transform"] == "tiles" for r in off.weights.values())
+    assert "_t64" in (tiled / "kernels.cu").read_text() and "_t64" not in (rows / "kernels.cu").read_text()
+
+
 @pytest.mark.parametrize(
     ("knob", "message"),
     [
