@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cache
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,11 +88,9 @@ def wgmma_kernel(spec: LinearSpec, plan: WgmmaPlan) -> Kernel:
 
 def kernel_body(source: str, name: str) -> str:
     """The CUDA body of `<name>_kernel` in a module's source (its definition, not the forward declaration)."""
-    import re
-
-    found = re.search(rf"void __launch_bounds__\(\d+\) {name}_kernel\([^)]*\) \{{\n(.*?)\n\}}\n", source, re.S)
-    assert found is not None, f"no definition of {name}_kernel in the CUDA source"
-    return found.group(1)
+    bodies = kernel_bodies(source)
+    assert f"{name}_kernel" in bodies, f"no definition of {name}_kernel in the CUDA source"
+    return bodies[f"{name}_kernel"]
 
 
 def before_the_wait(source: str, name: str) -> tuple[str, str, set[str]]:
@@ -227,3 +226,62 @@ def assert_rule_schedules_node(rule, inst, target, name: str, knobs: dict[str, i
     assert [p.name for p in kernel.func.params] == [p.name for p in spec.params()]
     assert len(spec.params()) == len(inst.inputs) + 1
     return kernel
+
+
+def kernel_bodies(source: str) -> dict[str, str]:
+    """Every kernel definition's body in a module's CUDA source, by kernel name, in source order."""
+    import re
+
+    pattern = r"__global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{\n(.*?)\n\}\n"
+    return {m.group(1): m.group(2) for m in re.finditer(pattern, source, re.S)}
+
+
+def _python(expr: str) -> str:
+    """A CUDA integer expression of TVM's output as Python (ints are non-negative there: / and % agree)."""
+    import re
+
+    expr = re.sub(r"\(\(int\)(threadIdx|blockIdx)\.([xyz])\)", lambda m: f"{m.group(1)[0]}{m.group(2)}", expr)
+    expr = expr.replace("(int)", "").replace("/", "//").replace("&&", " and ").replace("||", " or ")
+    return re.sub(r"!(?!=)", " not ", expr)
+
+
+def _enclosed(line: str, start: int, pair: str) -> str:
+    depth, end = 1, start
+    while depth:
+        depth += {pair[0]: 1, pair[1]: -1}.get(line[end], 0)
+        end += 1
+    return line[start : end - 1]
+
+
+def weight_reads(body: str) -> list[tuple[Any, dict[str, int], list[Any]]]:
+    """(address, loop extents, enclosing conditions) of each read of `w_ptr` in a kernel body, in order: the
+    address and each condition as a function of the indices (tx .. bz, loop variables, m), from the
+    braces' nesting of TVM's CUDA (`for (int v = 0; v < N; ++v) {`, `if (c) {`, `} else {`)."""
+    import re
+
+    def compiled(expr: str) -> Any:
+        code = compile(_python(expr), "<cuda>", "eval")
+        return lambda env: eval(code, {"min": min, "max": max}, dict(env))
+
+    out, stack = [], []
+    for line in body.splitlines():
+        text = line.strip()
+        for m in re.finditer(r"w_ptr(\[|\s*\+\s*)", line):
+            address = _enclosed(line, m.end(), "[]" if m.group(1) == "[" else "()")
+            loops = {e[1]: e[2] for e in stack if e[0] == "for"}
+            out.append((compiled(address), loops, [compiled(e[1]) for e in stack if e[0] == "if"]))
+        if text.startswith("} else {"):
+            kind = stack.pop()
+            stack.append(("if", f"!({kind[1]})") if kind[0] == "if" else ("other",))
+            continue
+        for _ in range(text.count("}") if text.startswith("}") else 0):
+            stack.pop()
+        if text.endswith("{"):
+            loop = re.match(r"for \(int (\w+) = 0; \1 < (\d+); \+\+\1\) \{", text)
+            if loop:
+                stack.append(("for", loop.group(1), int(loop.group(2))))
+            elif text.startswith("if ("):
+                stack.append(("if", text[3:-1].strip()))
+            else:
+                stack.append(("other",))
+    return out

@@ -11,6 +11,7 @@ import pytest
 
 from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
+from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
 from dflash_compiler.schedules.linear import (
     BF16,
@@ -25,7 +26,7 @@ from dflash_compiler.targets import SM90, SM120
 
 tvm = pytest.importorskip("tvm")
 
-from kernel_harness import assert_nvrtc_builds, assert_spec_matches_numpy  # noqa: E402 - TVM
+from kernel_harness import assert_nvrtc_builds, assert_spec_matches_numpy, kernel_bodies, weight_reads  # noqa: E402
 
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 
@@ -74,26 +75,41 @@ def test_a_tiled_node_gives_a_tiled_spec_and_shapes_are_checked():
 @pytest.mark.parametrize(
     ("rule", "spec"),
     [
-        (LinearMmaRule(), LinearSpec("matmul", 4096, 4096, tiles=64)),
+        (LinearMmaRule(), LinearSpec("matmul", 6144, 4096, tiles=64)),
         (LinearMmaRule(), LinearSpec("matmul_fp8", 4096, 12288, FP8, tiles=64)),
         (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, tiles=64)),
         (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096, FP8, tiles=64)),
     ],
     ids=lambda v: v.name if isinstance(v, LinearSpec) else "",
 )
-def test_every_kernel_reads_the_tiles(rule, spec, target):
-    """Each kernel's weight reads differ from the row-major build's (they go through the layout), and the
-    module builds. A weight row's 16-byte vectors run along k inside a tile: 64 elements, then the next
-    tile 4096 elements on, so no tiled kernel steps a whole row (k elements) from one k step to the next."""
+def test_every_kernel_reads_the_tiled_place_of_each_element(rule, spec, target):
+    """Every kernel of the tiled module reads, at every weight access, the tiled place (tile_offset, by hand
+    below) of the element the row-major module's kernel reads there: the addresses of the generated CUDA are
+    evaluated for thread, block and loop indices drawn inside their ranges, where the enclosing conditions
+    hold. The module also builds."""
     plain = LinearSpec(spec.op, spec.n, spec.k, spec.weight_dtype)
-    sources = {}
-    for s in (plain, spec):
-        kernel = rule.apply(s, target)
-        cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), target)
-        sources[s.tiles] = cuda
-    tiled, row_major = sources[64], sources[0]
-    assert tiled.kernel_names() == [name.replace(plain.name, spec.name) for name in row_major.kernel_names()]
-    reads = [line for line in tiled.source.splitlines() if "w_ptr" in line and "__global__" not in line]
-    plain_reads = [line for line in row_major.source.splitlines() if "w_ptr" in line and "__global__" not in line]
-    assert reads and len(reads) == len(plain_reads) and set(reads).isdisjoint(plain_reads)
-    assert_nvrtc_builds(tiled, target.arch)
+    modules = [lower_to_cuda(tvm.IRModule({s.name: rule.apply(s, target).func}), target) for s in (plain, spec)]
+    launches = {launch.name: launch for f in modules[0].functions.values() for launch in f.kernels}
+    rows, tiled = (kernel_bodies(m.source) for m in modules)
+    assert [name.replace(plain.name, spec.name) for name in rows] == list(tiled)
+    rng = np.random.default_rng(0)
+    checked = 0
+    for name, body in rows.items():
+        launch = launches[name]
+        axes = (("t", launch.block), ("b", launch.grid))
+        extents = {
+            f"{axis}{d}": int(evaluate(e, {"m": 128})) for axis, dims in axes for d, e in zip("xyz", dims, strict=True)
+        }
+        pairs = list(zip(weight_reads(body), weight_reads(tiled[name.replace(plain.name, spec.name)]), strict=True))
+        for (address, loops, conditions), (tiled_address, _, _) in pairs:
+            for _ in range(64):
+                env = {v: int(rng.integers(n)) for v, n in {**extents, **loops}.items()} | {"m": 128}
+                if not all(c(env) for c in conditions):
+                    continue
+                element = address(env)
+                row, col = divmod(element, spec.k)
+                want = ((row // 64) * (spec.k // 64) + col // 64) * 4096 + row % 64 * 64 + col % 64
+                assert tiled_address(env) == want, (name, env)
+                checked += 1
+    assert checked > 100 * len(rows)
+    assert_nvrtc_builds(modules[1], target.arch)
