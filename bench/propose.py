@@ -6,7 +6,7 @@ context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-
     # build box (TVM, no GPU): the sm_90 artifacts (bf16 and FP8, each also with plain launches),
     # kernels and plans only
     python bench/propose.py build -o build/propose [--variants bf16 fp8] [--knob RULE.KNOB=INT ...]
-    #   [--row-major-weights]  (the linears' weights row-major instead of tiled: an A/B)
+    #   [--weight-tiles]  (the linears' weights as 64 x 64 tiles instead of row-major: an A/B)
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
@@ -84,7 +84,7 @@ def build(args: argparse.Namespace) -> None:
             max_ctx_rows=512,
             precision=Precision(precision),
             dependent_launch=dependent,
-            weight_tiles=not args.row_major_weights,
+            weight_tiles=args.weight_tiles,
             knobs=knobs,
         )
         out = Path(args.out) / f"{EXAMPLE}-sm_90-{variant}"
@@ -600,9 +600,7 @@ def main() -> int:
     b = sub.add_parser("build", help="build box: the bf16 and FP8 sm_90 artifacts")
     b.add_argument("-o", "--out", required=True)
     b.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
-    b.add_argument(
-        "--row-major-weights", action="store_true", help="store the linears' weights row-major, not tiled (an A/B)"
-    )
+    b.add_argument("--weight-tiles", action="store_true", help="store the linears' weights as 64 x 64 tiles (an A/B)")
     b.add_argument(
         "--knob",
         action="append",

@@ -2,9 +2,10 @@
 
 Precondition: the fusions and ``choose_precision`` ran, so each linear's weight is the WEIGHT node it
 streams (arg 1 of MATMUL, MATMUL_FP8, LM_HEAD, LM_HEAD_ARGMAX, MATMUL_SILU). A weight is tiled when
-``options.weight_tiles`` is on, its rows and columns are multiples of 64, every reader of it is such a linear
-reading it as its weight, and it is not a target tensor taken as it is (``identity`` of ``target.*``: the
-serving engine may lend that one, row-major, in place of the stored copy). Anything else is left alone.
+``options.weight_tiles`` is on (off by default: BuildOptions says why), its rows and columns are multiples
+of 64, every reader of it is such a linear reading it as its weight, and it is not a target tensor taken as
+it is (``identity`` of ``target.*``: the serving engine may lend that one, row-major, in place of the stored
+copy). Anything else is left alone.
 
 Invariant established: each tiled WEIGHT keeps its name, type and readers, and its declaration becomes
 ``tiles(decl)``; each of its readers carries attribute ``weight_tiles`` = 64, by which its kernels and the

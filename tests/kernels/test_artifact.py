@@ -33,7 +33,7 @@ from dflash_compiler.targets import SM90, SM121
 pytest.importorskip("tvm")
 
 EXAMPLE = "tiny-dflash"
-OPTIONS = BuildOptions(max_batch=4, max_seq_len=256, max_ctx_rows=64)
+OPTIONS = BuildOptions(max_batch=4, max_seq_len=256, max_ctx_rows=64, weight_tiles=True)
 
 
 @pytest.fixture(scope="module")

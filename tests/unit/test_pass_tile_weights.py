@@ -129,7 +129,7 @@ def test_off_leaves_the_graph_alone_and_on_is_idempotent() -> None:
     before = _before(t)
     off = _through_passes(t, weight_tiles=False)
     on = _through_passes(t)
-    ctx = PassContext(t.config, BuildOptions())
+    ctx = PassContext(t.config, BuildOptions(weight_tiles=True))
     for phase in ("append_context", "propose"):
         assert dump(off.phases[phase]) == dump(before.phases[phase])
         assert dump(tile_weights(on.phases[phase], ctx)) == dump(on.phases[phase])
