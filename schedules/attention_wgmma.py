@@ -607,6 +607,11 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     = 8 1.730-1.741 ms against 1.735-1.736, FP8 1.462-1.477 against 1.476-1.480. So 134 MB a layer move at
     ~80 % of the copy bandwidth whatever the instruction count, ring depth, block count or overlap; none of
     these was kept.
+    Nor is it the blocks of the eight kv heads, out of step, each reading 256 of every 2048 bytes of a cached
+    token's K and V rows: the kernel reading the same bytes as head-major pages (each block's rows of a page
+    one 4 KiB run; a prototype, its numbers not checked) added 57.2 µs a layer at nb = 8 against 55.6 / 55.6
+    for the kernel as it is (H100, timeline, one run, the prototype between two copies), the bf16 step 1.738
+    against 1.718 / 1.759 ms.
 
     `cluster` (0: off) is the largest span count merged in a cluster. 16 (the spans of 1-2, 4, 7-8 and 12-16
     sequences merged in their cluster, no merge kernel) is correct (bench/attention.py on an H200: 24/24 cases
