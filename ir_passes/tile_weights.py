@@ -13,11 +13,12 @@ interpreter read the weight. A linear without the attribute reads a row-major we
 one per row, in row order.
 
 Why: a warpgroup GEMM's slot of a row-major weight is 64 runs of 128 bytes a weight row apart; tiled it is
-one run. A prototype that read each wgmma GEMM's slot as one run of the same bytes (H100, bench/propose.py,
-bf16, one run, between two row-major copies) took 1.490 against 1.540 / 1.550 ms at nb = 4 and 1.726 against
-1.777 / 1.786 at nb = 8 (matmul_silu 79.3 → 75.8 µs a call, lm_head_argmax 442.8 → 429.0). Spreading the
-blocks' k offsets instead (each block starting its k loop elsewhere, rows still row-major) lost: 1.804 at
-nb = 8 and 2.679 against 2.497 / 2.522 at nb = 16.
+one run. A prototype that read each wgmma GEMM's slot as one run of the same bytes (its numbers not checked;
+the kernels below 33 rows as they were) against two row-major copies around it, H100, bf16, ms at nb = 4 / 8
+/ 16 (bench/propose.py): run 1 1.465 / 1.694 / 2.538 against 1.496-1.497 / 1.718-1.759 / 2.499-2.501, run 2
+(another H100) 1.490 / 1.726 / 2.519 against 1.540-1.550 / 1.777-1.786 / 2.497-2.522; at nb = 8 matmul_silu
+79.3 → 75.8 µs a call and lm_head_argmax 442.8 → 429.0 (timeline). Spreading the blocks' k offsets instead
+(each block starting its k loop elsewhere, rows still row-major) lost: 1.804 at nb = 8 and 2.679 at nb = 16.
 """
 
 from __future__ import annotations
