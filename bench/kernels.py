@@ -4,6 +4,7 @@ Two steps, because the build box has TVM and no GPU and the GPU box has no TVM:
 
     # build box: schedule + build the drafter's kernels for a target, with the size cases to run
     python bench/kernels.py build examples/qwen3-8b-dflash-b16 --target sm_90 -o build/kbench [--knob RULE.KNOB=INT]
+    #   [--weight-tiles]
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python): check every case against numpy and time it
     PYTHONPATH=. python bench/kernels.py run build/kbench --json build/kbench/results.json
 
@@ -53,6 +54,7 @@ def build(args: argparse.Namespace) -> None:
         max_batch=max(PROPOSE_BATCHES),
         max_seq_len=CACHED_ROWS + 64,
         max_ctx_rows=max(CONTEXT_ROWS),
+        weight_tiles=args.weight_tiles,
         knobs=knob_overrides(args.knob),
     )
     program = optimize(cfg, options)
@@ -114,6 +116,7 @@ def main() -> int:
     b.add_argument("--target", default="sm_90")
     b.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
     b.add_argument("-o", "--out", required=True)
+    b.add_argument("--weight-tiles", action="store_true", help="the linears' weights as 64 x 64 tiles (an A/B)")
     b.add_argument(
         "--knob", action="append", default=[], metavar="RULE.KNOB=INT", help="a schedule knob's value (repeatable)"
     )
