@@ -1,11 +1,11 @@
 """tile_weights: the weights the linear kernels stream are stored as 64 x 64 tiles (weight_tiles.py).
 
 Precondition: the fusions and ``choose_precision`` ran, so each linear's weight is the WEIGHT node it
-streams (arg 1 of MATMUL, MATMUL_FP8, LM_HEAD, LM_HEAD_ARGMAX, MATMUL_SILU). A weight is tiled when
-``options.weight_tiles`` is on (off by default: BuildOptions says why), its rows and columns are multiples
-of 64, every reader of it is such a linear reading it as its weight, and it is not a target tensor taken as
-it is (``identity`` of ``target.*``: the serving engine may lend that one, row-major, in place of the stored
-copy). Anything else is left alone.
+streams (arg 1 of an op of kind LINEAR: MATMUL, MATMUL_FP8, LM_HEAD, LM_HEAD_ARGMAX, MATMUL_SILU). A weight
+is tiled when ``options.weight_tiles`` is on (off by default: BuildOptions says why), its rows and columns
+are multiples of 64, every reader of it is such a linear reading it as its weight, and it is not a target
+tensor taken as it is (``identity`` of ``target.*``: the serving engine may lend that one, row-major, in
+place of the stored copy). Anything else is left alone.
 
 Invariant established: each tiled WEIGHT keeps its name, type and readers, and its declaration becomes
 ``tiles(decl)``; each of its readers carries attribute ``weight_tiles`` = 64, by which its kernels and the
@@ -24,13 +24,12 @@ the kernels below 33 rows as they were) against two row-major copies around it, 
 from __future__ import annotations
 
 from dflash_compiler.ir.graph import Graph, Node, Ref
-from dflash_compiler.ir.ops import Op
+from dflash_compiler.ir.ops import Op, OpKind
 from dflash_compiler.ir.weights import WeightDecl
 from dflash_compiler.weight_tiles import TILE, tileable
 
 from .context import PassContext
 
-LINEARS = (Op.MATMUL, Op.MATMUL_FP8, Op.LM_HEAD, Op.LM_HEAD_ARGMAX, Op.MATMUL_SILU)
 WEIGHT_ARG = 1
 TRANSFORM = "tiles"
 
@@ -49,7 +48,7 @@ def _tileable(graph: Graph, weight: str) -> bool:
         and all(isinstance(d, int) for d in shape)
         and tileable(*shape)
         and bool(readers)
-        and all(graph.node(user).op in LINEARS and arg == WEIGHT_ARG for user, arg in readers)
+        and all(graph.node(user).op.kind is OpKind.LINEAR and arg == WEIGHT_ARG for user, arg in readers)
         and not _lent(node.attr("decl"))
         and node.attr("decl").transform != TRANSFORM
     )
