@@ -4,7 +4,7 @@ Two steps, because the build box has TVM and no GPU and the GPU box has no TVM:
 
     # build box: schedule + build the drafter's kernels for a target, with the size cases to run
     python bench/kernels.py build examples/qwen3-8b-dflash-b16 --target sm_90 -o build/kbench [--knob RULE.KNOB=INT]
-    #   [--weight-tiles]
+    #   [--no-weight-tiles]  (row-major linear weights: an A/B)
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python): check every case against numpy and time it
     PYTHONPATH=. python bench/kernels.py run build/kbench --json build/kbench/results.json
 
@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    from dflash_compiler.options import BuildOptions
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build box: schedule + build kernels and the size cases")
@@ -116,7 +118,12 @@ def main() -> int:
     b.add_argument("--target", default="sm_90")
     b.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
     b.add_argument("-o", "--out", required=True)
-    b.add_argument("--weight-tiles", action="store_true", help="the linears' weights as 64 x 64 tiles (an A/B)")
+    b.add_argument(
+        "--weight-tiles",
+        action=argparse.BooleanOptionalAction,
+        default=BuildOptions.model_fields["weight_tiles"].default,
+        help="the linears' weights as 64 x 64 tiles, else row-major (an A/B: --no-weight-tiles)",
+    )
     b.add_argument(
         "--knob", action="append", default=[], metavar="RULE.KNOB=INT", help="a schedule knob's value (repeatable)"
     )

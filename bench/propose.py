@@ -6,7 +6,7 @@ context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-
     # build box (TVM, no GPU): the sm_90 artifacts (bf16 and FP8, each also with plain launches),
     # kernels and plans only
     python bench/propose.py build -o build/propose [--variants bf16 fp8] [--knob RULE.KNOB=INT ...]
-    #   [--weight-tiles]  (the linears' weights as 64 x 64 tiles instead of row-major: an A/B)
+    #   [--no-weight-tiles]  (the linears' weights row-major instead of as 64 x 64 tiles: an A/B)
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
@@ -595,12 +595,19 @@ def _write_json(path: Path, results: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    from dflash_compiler.options import BuildOptions
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build box: the bf16 and FP8 sm_90 artifacts")
     b.add_argument("-o", "--out", required=True)
     b.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
-    b.add_argument("--weight-tiles", action="store_true", help="store the linears' weights as 64 x 64 tiles (an A/B)")
+    b.add_argument(
+        "--weight-tiles",
+        action=argparse.BooleanOptionalAction,
+        default=BuildOptions.model_fields["weight_tiles"].default,
+        help="the linears' weights as 64 x 64 tiles, else row-major (an A/B: --no-weight-tiles)",
+    )
     b.add_argument(
         "--knob",
         action="append",

@@ -209,7 +209,7 @@ def compile(
     ] = True,
     weight_tiles: Annotated[
         bool, typer.Option(help="store the linears' own weights as 64 x 64 tiles (else row-major)")
-    ] = False,
+    ] = True,
     force: Annotated[bool, typer.Option(help="replace an existing artifact directory")] = False,
     dump_dir: DumpDir = None,
     knob: Knob = None,

@@ -2,7 +2,7 @@
 
 Precondition: the fusions and ``choose_precision`` ran, so each linear's weight is the WEIGHT node it
 streams (arg 1 of an op of kind LINEAR: MATMUL, MATMUL_FP8, LM_HEAD, LM_HEAD_ARGMAX, MATMUL_SILU). A weight
-is tiled when ``options.weight_tiles`` is on (off by default: BuildOptions says why), its rows and columns
+is tiled when ``options.weight_tiles`` is on (the default), its rows and columns
 are multiples of 64, every reader of it is such a linear reading it as its weight, and it is not a target
 tensor taken as it is (``identity`` of ``target.*``: the serving engine may lend that one, row-major, in
 place of the stored copy). Anything else is left alone.
@@ -12,13 +12,16 @@ Invariant established: each tiled WEIGHT keeps its name, type and readers, and i
 interpreter read the weight. A linear without the attribute reads a row-major weight. The FP8 scales stay
 one per row, in row order.
 
-Why: a warpgroup GEMM's slot of a row-major weight is 64 runs of 128 bytes a weight row apart; tiled it is
-one run. A prototype that read each wgmma GEMM's slot as one run of the same bytes (its numbers not checked;
-the kernels below 33 rows as they were) against two row-major copies around it, H100, bf16, ms at nb = 4 / 8
-/ 16 (bench/propose.py): run 1 1.465 / 1.694 / 2.538 against 1.496-1.497 / 1.718-1.759 / 2.499-2.501, run 2
-(another H100) 1.490 / 1.726 / 2.519 against 1.540-1.550 / 1.777-1.786 / 2.497-2.522; at nb = 8 matmul_silu
-79.3 → 75.8 µs a call and lm_head_argmax 442.8 → 429.0 (timeline). Spreading the blocks' k offsets instead
-(each block starting its k loop elsewhere, rows still row-major) lost: 1.804 at nb = 8 and 2.679 at nb = 16.
+Why: a warpgroup GEMM's slot of a row-major weight is 64 runs of 128 bytes a weight row apart; tiled it is one
+run. The Qwen3-8B step on an H100 (bench/propose.py, one run, the tiled build between two row-major copies, ms
+at nb = 1 / 4 / 8 / 16): bf16 1.288 / 1.511 / 1.742 / 2.512 against 1.288-1.315 / 1.543-1.551 / 1.784-1.791 /
+2.517-2.522; FP8 0.812 / 1.025 / 1.382 / 2.522 against 0.797-0.798 / 1.178-1.179 / 1.487-1.488 / 2.562-2.570.
+At nb = 8 (timeline, µs a call, row-major → tiled) bf16 matmul_silu 82.7 → 76.5, down 40.6 → 39.8, qkv 24.4 →
+23.5; FP8 matmul_silu 64.0 → 54.6, down 32.3 → 29.4, FP8 lm_head_argmax 373.5 → 346.9 (the bf16 lm_head is
+lent, so row-major in both). The FP8 step at nb = 1 lost ~2 % (in the timeline most of its GEMVs took 0.5-2 µs
+a call more, lm_head_argmax 225.1 → 226.7); the layout is kept for all row counts because one weight serves
+them all. Spreading the blocks' k offsets instead (each block starting its k loop elsewhere, rows still
+row-major) lost: 1.804 ms at nb = 8 and 2.679 at nb = 16.
 """
 
 from __future__ import annotations

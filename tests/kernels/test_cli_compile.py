@@ -103,8 +103,8 @@ def test_knob_overrides_reach_the_kernels_and_the_manifest(tmp_path):
 def test_weight_layout_option_reaches_the_graph_and_the_manifest(tmp_path):
     write_example("tiny-dflash", tmp_path / "ckpt", seed=2)
     tiled, rows = tmp_path / "tiled", tmp_path / "rows"
-    assert _compile_tiny(tmp_path, rows).exit_code == 0  # row-major by default (BuildOptions.weight_tiles)
-    result = _compile_tiny(tmp_path, tiled, "--weight-tiles")
+    assert _compile_tiny(tmp_path, rows, "--no-weight-tiles").exit_code == 0
+    result = _compile_tiny(tmp_path, tiled)  # tiled by default (BuildOptions.weight_tiles)
     assert result.exit_code == 0, result.output
     on, off = load_manifest(tiled), load_manifest(rows)
     assert on.options.weight_tiles and not off.options.weight_tiles
