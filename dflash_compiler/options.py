@@ -50,10 +50,7 @@ class BuildOptions(BaseModel):
     weight_tiles: bool = Field(
         default=True,
         description="store the linears' own weights as 64 x 64 tiles, so a GEMM's slot of weight rows is one "
-        "contiguous run (ir_passes/tile_weights.py); off: row-major. On an H100 the Qwen3-8B step measured "
-        "bf16 1.288 / 1.511 / 1.742 / 2.512 ms tiled against 1.288-1.315 / 1.543-1.551 / 1.784-1.791 / "
-        "2.517-2.522 row-major at nb = 1 / 4 / 8 / 16, FP8 0.812 / 1.025 / 1.382 / 2.522 against 0.797-0.798 "
-        "/ 1.178-1.179 / 1.487-1.488 / 2.562-2.570 (bench/propose.py)",
+        "contiguous run (ir_passes/tile_weights.py, which has the step measured both ways); off: row-major",
     )
     sliding_window_only: bool = Field(
         default=False, description="sliding-window layers keep only their window of context rows"

@@ -1,11 +1,11 @@
 """tile_weights: the weights the linear kernels stream are stored as 64 x 64 tiles (weight_tiles.py).
 
-Precondition: the fusions and ``choose_precision`` ran, so each linear's weight is the WEIGHT node it
-streams (arg 1 of an op of kind LINEAR: MATMUL, MATMUL_FP8, LM_HEAD, LM_HEAD_ARGMAX, MATMUL_SILU). A weight
-is tiled when ``options.weight_tiles`` is on (the default), its rows and columns
-are multiples of 64, every reader of it is such a linear reading it as its weight, and it is not a target
-tensor taken as it is (``identity`` of ``target.*``: the serving engine may lend that one, row-major, in
-place of the stored copy). Anything else is left alone.
+Precondition: the fusions and ``choose_precision`` ran, so each linear's weight is the WEIGHT node it streams
+(arg 1 of an op of kind LINEAR: MATMUL, MATMUL_FP8, LM_HEAD, LM_HEAD_ARGMAX, MATMUL_SILU). A weight is tiled
+when ``options.weight_tiles`` is on (the default), its rows and columns are multiples of 64, every reader of
+it is such a linear reading it as its weight, and it is not a target tensor taken as it is (``identity`` of
+``target.*``: the serving engine may lend that one, row-major, in place of the stored copy). Anything else is
+left alone.
 
 Invariant established: each tiled WEIGHT keeps its name, type and readers, and its declaration becomes
 ``tiles(decl)``; each of its readers carries attribute ``weight_tiles`` = 64, by which its kernels and the
