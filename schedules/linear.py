@@ -651,7 +651,10 @@ class LinearMmaRule(FamilyRule):
           x's reads from L2: at 1 row (x's copies past m zero-filled, no read) they take as long (o_proj FP8 7.14,
           qkv 10.12). Nsight Compute on o_proj FP8 at 16 rows: 1.9 warps per scheduler, one issued every 2.8
           cycles; stalls 25 % long scoreboard, 23 % fixed-latency waits, 19 % issuing, 11 % the slot barrier;
-          a warp's k step is ~143 instructions, 80 of them the e4m3 conversion (fp8_convert.py). Nor are they
+          a warp's k step was ~143 instructions, 80 of them the e4m3 conversion at five a pair. With four a pair
+          (fp8_convert.py) the 16-row calls took as long in the step (H100, one run, timeline at nb = 1, µs five
+          calls add, two copies of the five-a-pair build → four a pair: gate_up 208.2 / 210.5 → 208.5, down
+          98.5 / 98.1 → 96.7, o_proj 40.6 / 41.0 → 40.3), so the conversion does not set their pace. Nor are they
           bound by DRAM: with its whole e4m3 weight (16.8 MB) prefetched into L2 while head_prep and the
           attention ran (a kernel of `cp.async.bulk.prefetch.L2` added to the step after qkv), o_proj FP8 took
           8.5 µs in the step against 9.4 (H100, timeline, nb = 1): the kernel's own pace, ~2 TB/s, is the

@@ -12,27 +12,30 @@ from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16, PRELUDE
 
 
 def _constants() -> dict[str, int]:
-    perms = re.findall(r"__byte_perm\(w, 0u, (0x[0-9a-f]+)u\)", PRELUDE)
-    masks = re.search(r"\(t & (0x[0-9a-f]+)u\) \| \(\(t >> 4\) & (0x[0-9a-f]+)u\)", PRELUDE)
+    perms = re.findall(r"dflash_e4m3x2_to_bf16x2\(w, 0u, (0x[0-9a-f]+)u\)", PRELUDE)
+    mask = re.search(r"unsigned r = \(t << 4\) & (0x[0-9a-f]+)u;", PRELUDE)
     fma = re.search(r'"r"\(r\), "r"\((0x[0-9a-f]+)u\), "r"\((0x[0-9a-f]+)u\)', PRELUDE)
-    assert len(perms) == 2 and masks and fma, "the conversion's CUDA text changed shape; update this test"
+    assert len(perms) == 2 and mask and fma, "the conversion's CUDA text changed shape; update this test"
     return {
         "perm_lo": int(perms[0], 16),
         "perm_hi": int(perms[1], 16),
-        "sign": int(masks.group(1), 16),
-        "body": int(masks.group(2), 16),
+        "mask": int(mask.group(1), 16),
         "scale": int(fma.group(1), 16),
         "addend": int(fma.group(2), 16),
     }
 
 
-def _byte_perm(x: np.ndarray, selector: int) -> np.ndarray:
-    """CUDA's __byte_perm(x, 0, selector): result byte i is byte (selector >> 4i) & 7 of the pair (x, 0)."""
+def _prmt(x: np.ndarray, y: np.ndarray, selector: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode) of the pair (x, y): result byte i is byte (selector >> 4i) & 7 of the
+    pair, or, where that nibble's bit 3 is set, eight copies of that byte's top bit."""
     out = np.zeros_like(x)
     for i in range(4):
-        sel = (selector >> (4 * i)) & 7
-        byte = (x >> np.uint32(8 * sel)) & np.uint32(0xFF) if sel < 4 else np.zeros_like(x)
-        out |= byte << np.uint32(8 * i)
+        nibble = (selector >> (4 * i)) & 0xF
+        word = x if nibble & 7 < 4 else y
+        byte = (word >> np.uint32(8 * (nibble & 3))) & np.uint32(0xFF)
+        if nibble & 8:
+            byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+        out |= byte.astype(np.uint32) << np.uint32(8 * i)
     return out
 
 
@@ -42,17 +45,18 @@ def _bf16_pairs(bits: np.ndarray) -> np.ndarray:
     return halves.view(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def _pair(lo: np.ndarray, hi: np.ndarray, selector: int, c: dict[str, int]) -> np.ndarray:
+    """dflash_e4m3x2_to_bf16x2(lo, hi, selector) on uint32 arrays: float32 [..., 2]."""
+    t = _prmt(lo, hi, selector)
+    r = (t << np.uint32(4)) & np.uint32(c["mask"])
+    # fma.rn.bf16x2 r * scale + addend: exact here (a power of two times a bf16, plus -0)
+    return _bf16_pairs(r) * _bf16_pairs(np.full_like(r, c["scale"])) + _bf16_pairs(np.full_like(r, c["addend"]))
+
+
 def _convert(words: np.ndarray, c: dict[str, int]) -> np.ndarray:
     """The prelude on uint32 words of four e4m3 bytes: float32 [..., 4] in byte order."""
-    out = []
-    for perm in (c["perm_lo"], c["perm_hi"]):
-        t = _byte_perm(words, perm)
-        r = (t & np.uint32(c["sign"])) | ((t >> np.uint32(4)) & np.uint32(c["body"]))
-        # fma.rn.bf16x2 r * scale + addend: exact here (a power of two times a bf16, plus -0)
-        out.append(
-            _bf16_pairs(r) * _bf16_pairs(np.full_like(r, c["scale"])) + _bf16_pairs(np.full_like(r, c["addend"]))
-        )
-    return np.concatenate(out, axis=-1)
+    zero = np.zeros_like(words)
+    return np.concatenate([_pair(words, zero, c["perm_lo"], c), _pair(words, zero, c["perm_hi"], c)], axis=-1)
 
 
 def test_every_finite_e4m3_byte_converts_exactly():
@@ -79,23 +83,13 @@ def test_nan_comes_out_as_the_documented_480():
 
 
 def _a_fragment_lines() -> tuple[int, int, list[tuple[int, str, str, str]]]:
-    """The fragment helper's selector (quad · a + b) and its four `f[i] = convert(__byte_perm(R.x, R.y, sel))`
-    lines as (i, row, low word, high word)."""
+    """The fragment helper's selector (quad · a + b) and its four `f[i] = convert(R.x, R.y, sel)` lines as
+    (i, row, low word, high word)."""
     body = PRELUDE[PRELUDE.index(f"void {E4M3_A_FRAGMENT}(") :]
     sel = re.search(r"unsigned sel = quad \* (0x[0-9a-f]+)u \+ (0x[0-9a-f]+)u;", body)
-    lines = re.findall(r"f\[(\d)\] = dflash_e4m3x2_bits_to_bf16x2\(__byte_perm\((\w)\.(\w), \w\.(\w), sel\)\);", body)
+    lines = re.findall(r"f\[(\d)\] = dflash_e4m3x2_to_bf16x2\((\w)\.(\w), \w\.(\w), sel\);", body)
     assert sel and len(lines) == 4, "the fragment helper's CUDA text changed shape; update this test"
     return int(sel.group(1), 16), int(sel.group(2), 16), [(int(i), r, lo, hi) for i, r, lo, hi in lines]
-
-
-def _byte_perm2(x: np.ndarray, y: np.ndarray, selector: int) -> np.ndarray:
-    """CUDA's __byte_perm(x, y, selector): result byte i is byte (selector >> 4i) & 7 of the pair (x, y)."""
-    out = np.zeros_like(x)
-    for i in range(4):
-        sel = (selector >> (4 * i)) & 7
-        word = x if sel < 4 else y
-        out |= ((word >> np.uint32(8 * (sel % 4))) & np.uint32(0xFF)) << np.uint32(8 * i)
-    return out
 
 
 def test_the_a_fragment_holds_mma_sync_s_layout():
@@ -111,10 +105,6 @@ def test_the_a_fragment_holds_mma_sync_s_layout():
     for quad in range(4):
         got = np.zeros((4, 64, 2), np.float32)
         for i, row, lo, hi in lines:
-            t = _byte_perm2(words[row][lo], words[row][hi], quad * scale + base)
-            r = (t & np.uint32(c["sign"])) | ((t >> np.uint32(4)) & np.uint32(c["body"]))
-            got[i] = _bf16_pairs(r) * _bf16_pairs(np.full_like(r, c["scale"])) + _bf16_pairs(
-                np.full_like(r, c["addend"])
-            )
+            got[i] = _pair(words[row][lo], words[row][hi], quad * scale + base, c)
         for pair, (h, k0) in enumerate(((0, 2 * quad), (1, 2 * quad), (0, 2 * quad + 8), (1, 2 * quad + 8))):
             np.testing.assert_array_equal(got[pair], values[h, :, k0 : k0 + 2], err_msg=f"quad {quad} pair {pair}")
