@@ -491,11 +491,11 @@ def run(args: argparse.Namespace) -> int:
     pool: np.ndarray | None = None  # the taps every sequence's cache is filled from (_fill)
     # several bundles (an A/B of two builds): each variant of each, against the same checkpoint and bandwidth
     runs = [(Path(bundle), variant) for bundle in args.bundle for variant in args.variants]
-    for bundle, variant in runs:
+    for index, (bundle, variant) in enumerate(runs):
         precision, dependent = {name: (p, d) for name, p, d in VARIANTS}[variant]
         label = f"{bundle.name}/{variant}" if len(args.bundle) > 1 else variant
         artifact = bundle / f"{EXAMPLE}-sm_90-{variant}"
-        local = work / label.replace("/", "-")
+        local = work / f"{index}-{label.replace('/', '-')}"  # a bundle given twice (a repeat) gets a copy each
         shutil.copytree(artifact, local)
         pack_weights(local, work / "ckpt" / "drafter", work / "ckpt" / "target")
         torch_here = variant == "bf16" and not args.no_torch and not peer_ms
@@ -616,7 +616,11 @@ def main() -> int:
         help="schedule knob over the default in every variant built (repeatable): one side of an A/B",
     )
     r = sub.add_parser("run", help="GPU box: pack, fill the caches, measure")
-    r.add_argument("bundle", nargs="+", help="one bundle, or several to compare in one run (an A/B of two builds)")
+    r.add_argument(
+        "bundle",
+        nargs="+",
+        help="one bundle, or several to compare in one run (an A/B of two builds; one given twice runs twice)",
+    )
     r.add_argument("--variants", nargs="*", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
     r.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     r.add_argument(

@@ -76,6 +76,7 @@ SILU_GROUP = 8  # matmul_silu: gate and up rows interleaved 8 at a time (ir_pass
 _OP_ATTR = "dflash.op"
 # the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
+FEW_ROWS_TILE = 16  # x rows per tile of the kernels of calls up to gemm_rows rows: one draft block
 # the shape knobs of the warpgroup GEMM of calls up to mid_rows rows (LinearMmaRule takes them as mid_<name>)
 MID_KNOBS = ("warpgroups", "stages", "k_splits", "mma_groups")
 MID_ROWS = 64  # the calls of 33-64 rows (three or four draft blocks) take a GEMM of 64-row x tiles
@@ -389,14 +390,16 @@ class LinearMmaRule(FamilyRule):
     `gemv_tiled_stages` > 0 puts the calls of at most gemm_rows rows on a
     tiled kernel too (`small_tiled_plan`: 16 · `gemv_tiled_n_tiles` weight rows and 16 rows of x per block, that
     many slots of `gemv_tiled_k_steps` k steps, `gemv_tiled_k_warps` warps along k, no k split), whose weight stream
-    is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `warps`, `unroll`,
+    is in flight in shared memory rather than in registers; 0 keeps them on GEMV mode. `gemv_wgmma` 1 (targets
+    with wgmma) gives those calls a warpgroup GEMM of 16-row x tiles instead (`few_rows_wgmma_plan`; the
+    gemv_tiled_ knobs then report 0). `warps`, `unroll`,
     `gemm_k_splits`, `gemm_k_steps`, `gemm_k_warps`, `gemv_tiled_k_steps` and `gemv_tiled_k_warps` are upper bounds:
     the largest values that divide the k steps evenly are used, and the Kernel reports the values used.
     """
 
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
-                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS,
+                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS, "gemv_wgmma",
                   "gemm_wgmma", *(f"wgmma_{name}" for name in WGMMA_KNOBS), "mid_rows",
                   *(f"mid_{name}" for name in MID_KNOBS), "tall_rows",
                   *(f"tall_{name}" for name in TALL_KNOBS))  # fmt: skip
@@ -422,6 +425,8 @@ class LinearMmaRule(FamilyRule):
             **{f"gemm_{name}": 0 for name in TILED_KNOBS},
             # calls of at most gemm_rows rows: GEMV mode (0) or the small tiled kernel; by the weight
             **few_rows_knobs(0, 8, 1),
+            # calls of at most gemm_rows rows on a warpgroup GEMM of 16-row x tiles instead (1); by the weight
+            "gemv_wgmma": 0,
             # calls above gemm_rows rows: the tiled mma.sync GEMM (0) or the warpgroup GEMM (1, on targets
             # with wgmma); knobs_for picks by weight and target, and 0 takes wgmma_defaults
             "gemm_wgmma": 0,
@@ -448,8 +453,10 @@ class LinearMmaRule(FamilyRule):
         chosen = self.knobs_for(spec, target, knobs)
         plan, gemm, small, mid, tall, func = self._func(spec, target, chosen)
         used = gemm_knobs(gemm)
-        few = (few_rows_knobs(small.stages, small.k_steps, small.k_warps, small.n_tiles) if small
+        tiled = isinstance(small, TiledPlan)
+        few = (few_rows_knobs(small.stages, small.k_steps, small.k_warps, small.n_tiles) if tiled
                else few_rows_knobs(0, 0, 0, 0))  # fmt: skip
+        few["gemv_wgmma"] = int(isinstance(small, WgmmaPlan))
         mid_used = {"mid_rows": mid.block_m, **{f"mid_{name}": getattr(mid, name) for name in MID_KNOBS}} if mid else {}
         tall_used = (
             {"tall_rows": tall[0], **{f"tall_{name}": getattr(tall[1], name) for name in TALL_KNOBS}} if tall else {}
@@ -472,6 +479,25 @@ class LinearMmaRule(FamilyRule):
                 f"GEMM of the calls up to {tier}_rows rows, and {tier}_rows is 0. Fix: drop them, or set {tier}_rows"
             )
         return rows, given
+
+    def _few_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | WgmmaPlan | None:
+        """The kernel of the calls of at most gemm_rows rows beside the GEMM above them (None: GEMV mode): with
+        `gemv_wgmma` 1 a warpgroup GEMM of 16-row x tiles (`few_rows_wgmma_plan`), else with `gemv_tiled_stages`
+        > 0 the small tiled kernel."""
+        if knobs["gemv_wgmma"] not in (0, 1):
+            raise ScheduleError(
+                f"{self.name} knob gemv_wgmma={knobs['gemv_wgmma']}: expected 0 (the small tiled kernel or GEMV mode "
+                "takes the calls of at most gemm_rows rows) or 1 (a warpgroup GEMM of 16-row x tiles)"
+            )
+        if knobs["gemv_wgmma"]:
+            if not wgmma_fits(spec, target):
+                raise ScheduleError(
+                    f"{self.name} knob gemv_wgmma=1 on {spec.name} for {target.name}: the warpgroup GEMM takes weights "
+                    f"with k a multiple of 64 on targets with wgmma (found k={spec.k}, wgmma={target.wgmma}). Fix: "
+                    "gemv_wgmma 0"
+                )
+            return few_rows_wgmma_plan(spec, target, knobs["wgmma_convert"])
+        return small_tiled_plan(spec, target, knobs) if knobs["gemv_tiled_stages"] else None
 
     def _mid_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan | None:
         """The warpgroup GEMM of the calls of gemm_rows + 1 to mid_rows rows (None: mid_rows 0): x tiles of
@@ -552,7 +578,12 @@ class LinearMmaRule(FamilyRule):
     def _func(
         self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]
     ) -> tuple[
-        MmaPlan, TiledPlan | WgmmaPlan | None, TiledPlan | None, WgmmaPlan | None, tuple[int, WgmmaPlan] | None, Any
+        MmaPlan,
+        TiledPlan | WgmmaPlan | None,
+        TiledPlan | WgmmaPlan | None,
+        WgmmaPlan | None,
+        tuple[int, WgmmaPlan] | None,
+        Any,
     ]:
         """(GEMV-mode plan, GEMM above gemm_rows, small tiled kernel, GEMM up to mid_rows, (tall_rows, GEMM up
         to them), PrimFunc)."""
@@ -567,7 +598,7 @@ class LinearMmaRule(FamilyRule):
                 "Fix: gemm_rows 0, or x_stages 0"
             )
         gemm = self._gemm_plan(spec, target, knobs)
-        small = small_tiled_plan(spec, target, knobs) if gemm and knobs["gemv_tiled_stages"] else None
+        small = self._few_plan(spec, target, knobs) if gemm else None
         mid = self._mid_plan(spec, target, knobs)
         tall = self._tall_plan(spec, target, knobs, mid.block_m if mid else rows)
         for tier, tier_plan in (("mid", mid), ("tall", tall[1] if tall else None)):
@@ -580,8 +611,9 @@ class LinearMmaRule(FamilyRule):
             raise ScheduleError(
                 f"{self.name} knobs x_stages={plan.x_stages}, gemm_rows={rows}, gemv_tiled_stages="
                 f"{knobs['gemv_tiled_stages']}, k splits {gemm.k_splits if gemm else None} on {spec.name}: its "
-                "epilogue runs on the small tiled kernel and the GEMM, whose blocks each hold whole sums. Fix: "
-                "x_stages 0, gemm_rows > 0, gemv_tiled_stages > 0 and gemm_k_splits / wgmma_k_splits 1"
+                "epilogue runs on the small tiled kernel (or the few rows' warpgroup GEMM) and the GEMM, whose blocks "
+                "each hold whole sums. Fix: x_stages 0, gemm_rows > 0, gemv_tiled_stages > 0 (or gemv_wgmma 1) and "
+                "gemm_k_splits / wgmma_k_splits 1"
             )
         func = mma_gemv_func(spec, plan, (rows, gemm) if gemm else None, small, mid, tall)
         return plan, gemm, small, mid, tall, func
@@ -636,6 +668,21 @@ class LinearMmaRule(FamilyRule):
           gate_up FP8 31.7 / 32.0 / 33.3 / 61.9 → 26.8 / 27.3 / 28.8 / 49.5,
           lm_head FP8 167.7 / 169.2 / 191.0 / 385.2 → 149.6 / 156.3 / 178.6 / 327.7.
           Two tiles per block gained less (gate_up FP8 at 16 rows 31.1), eight lost (45.2);
+        * wide FP8 weights on targets with wgmma: the warpgroup GEMM of 16-row x tiles (`gemv_wgmma`), whose
+          small blocks (24 KiB, 80 registers a thread; two slots of copies in flight each) an SM holds six of,
+          against three of the small tiled kernel (48 KiB, 142 registers). H100, one run of both builds in
+          bench/propose.py (FP8 step, ms at nb = 1 / 4 / 8 / 16; µs the kernel adds in the timeline at nb = 1):
+          0.772 / 1.001 / 1.343 / 2.440 → 0.755 / 1.002 / 1.328 / 2.447; lm_head 219.2 → 200.9, gate_up's five
+          calls 198.2 → 193.2 (an earlier run with every FP8 linear on it: lm_head 219.1 → 200.7, gate_up 203.6 →
+          200.5). The narrow FP8 weights lost on it (the step 0.770 → 0.774 ms): their 64 to 96 blocks of 64
+          rows need k splits and a merge launch (µs added at nb = 1, kernel + merge: o_proj 40.1 → 36.3 + 8.2,
+          qkv 52.4 → 51.9 + 6.2, down 93.7 → 87.0 + 7.5). Standalone (bench/kernels.py, µs at 16 rows, the
+          lm_head's 15): lm_head 236.7 → 218.7, gate_up 50.7 → 49.5.
+          The small tiled kernel's e4m3 conversion does not set its pace: with it cut to one byte permute a
+          pair (wrong values, a probe) the calls took as long (gate_up 50.7 → 51.4, lm_head 236.7 → 232.6), and
+          so did f16 products (e4m3 → f16 by `cvt.rn.f16x2.e4m3x2`, x rounded to f16: 50.4, 233.9). Nsight
+          Compute on its gate_up call: DRAM 74 % busy, 2.8 warps a scheduler, 0.43 of them eligible, an issue
+          every 8.3 cycles of which 4.4 wait on the slots' copies (long scoreboard);
         * narrow FP8 weights: four slots of 4 k steps (an FP8 k step is 64 wide), four warps along k: qkv
           11.33 → 10.00, o_proj 9.40 → 7.53, down 19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode).
           More weight tiles per block lost here (fewer blocks: o_proj FP8 6.69 → 8.90 with two).
@@ -663,7 +710,8 @@ class LinearMmaRule(FamilyRule):
         """
         wide = wide_weight(spec, target)
         if wide:
-            return few_rows_knobs(2 if spec.fp8 else 3, 4, 4, 4)
+            wgmma = int(spec.fp8 and wgmma_fits(spec, target))
+            return {**few_rows_knobs(2 if spec.fp8 else 3, 4, 4, 4), "gemv_wgmma": wgmma}
         if spec.fp8:
             return few_rows_knobs(4, 4, 4)
         blocks = -(-spec.n // MMA_ROWS)
@@ -1006,6 +1054,19 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
 def wide_weight(spec: LinearSpec, target: Target) -> bool:
     """At least 4 blocks per SM of 32 weight rows (16896 rows on the H200's 132 SMs, 6144 on GB10's 48)."""
     return spec.n >= 4 * target.sm_count * 2 * MMA_ROWS
+
+
+def few_rows_wgmma_plan(spec: LinearSpec, target: Target, convert: int = 0) -> WgmmaPlan:
+    """The warpgroup GEMM of the calls of at most gemm_rows rows under knob gemv_wgmma: x tiles of one draft
+    block (FEW_ROWS_TILE rows; a call of 17-32 rows takes two, the second reading the weight from L2, as the
+    small tiled kernel does), one warpgroup of 64 weight rows, four slots of one 64-wide k atom, one slot's
+    wgmmas in flight for e4m3 weights, no k split (no workspace, no merge launch); `convert` as knob
+    wgmma_convert (0: `default_convert`). Its blocks are small (24 KiB of slots for e4m3 weights), so an SM
+    holds twice as many as of the small tiled kernel (`LinearMmaRule.few_rows_defaults` has the figures)."""
+    return fit_wgmma_plan(spec, target, {"warpgroups": 1, "block_m": FEW_ROWS_TILE, "stages": 4, "k_atoms": 1,
+                                         "k_splits": 1, "mma_groups": 2 if spec.fp8 else 1,
+                                         "k_reduce": KERNEL_REDUCE, "roles": SHARED_ROLES,
+                                         "convert": convert or default_convert(spec, FEW_ROWS_TILE)})  # fmt: skip
 
 
 def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:

@@ -150,7 +150,7 @@ def mma_gemv_func(
     spec: LinearSpec,
     plan: MmaPlan,
     gemm: tuple[int, TiledPlan | WgmmaPlan] | None = None,
-    small: TiledPlan | None = None,
+    small: TiledPlan | WgmmaPlan | None = None,
     mid: WgmmaPlan | None = None,
     tall: tuple[int, WgmmaPlan] | None = None,
 ) -> Any:
@@ -158,8 +158,9 @@ def mma_gemv_func(
 
     With `gemm = (rows, tiled_plan)` the PrimFunc also holds the tiled GEMM of `linear_tiled.py` (or, for
     a WgmmaPlan, the warpgroup GEMM of `linear_wgmma.py`) and its host code picks per call: `plan`'s kernel
-    for m <= rows (or, with `small`, a second tiled kernel of that plan, which must not split k), the GEMM
-    above (with, for k splits, its workspace and merge kernel); the kernel table records each launch's
+    for m <= rows (or, with `small`, a second tiled kernel of that plan, or a warpgroup GEMM for a WgmmaPlan,
+    which must not split k), the GEMM above (with, for k splits, its workspace and merge kernel); the kernel
+    table records each launch's
     condition (codegen.KernelLaunch.when). With `mid`, a second warpgroup GEMM, the calls above rows and up
     to mid.block_m rows go to it instead; with `tall = (tall_rows, plan)`, a third, the calls above those and
     up to tall_rows rows, in x tiles of plan.block_m rows.
@@ -193,7 +194,13 @@ def mma_gemv_func(
         )
     if gemm is not None:
         rows, tiled = gemm
-        few = body if small is None else tiled_body_macro(spec, small)
+        few = (
+            body
+            if small is None
+            else wgmma_body_macro(spec, small)
+            if isinstance(small, WgmmaPlan)
+            else tiled_body_macro(spec, small)
+        )
         large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
         middle = wgmma_body_macro(spec, mid) if mid is not None else None
         mid_rows = mid.block_m if mid is not None else 0

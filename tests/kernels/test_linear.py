@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, PREFETCH_L2, WAIT, kernel_bodies
-from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
+from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
@@ -21,10 +21,13 @@ from dflash_compiler.schedules.linear import (
     F32,
     FEW_ROWS_KNOBS,
     FP8,
+    LinearArgmaxRule,
     LinearGemvRule,
     LinearMmaRule,
+    LinearSiluRule,
     LinearSpec,
     _register_estimate,
+    few_rows_wgmma_plan,
     fit_mma_plan,
     fit_tiled_plan,
     fit_wgmma_plan,
@@ -33,7 +36,7 @@ from dflash_compiler.schedules.linear import (
     spec_of,
 )
 from dflash_compiler.schedules.linear_mma import mma_gemv_func
-from dflash_compiler.schedules.linear_wgmma import CONVERT_TILE, WGMMA_KNOBS, WgmmaPlan
+from dflash_compiler.schedules.linear_wgmma import CONVERT_REGISTERS, CONVERT_TILE, WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90, SM120, SM121
 from dflash_compiler.wgmma import COMMIT as WGMMA_COMMIT
 from dflash_compiler.wgmma import FENCE as WGMMA_FENCE
@@ -194,12 +197,12 @@ def test_mma_rule_leaves_odd_k_and_targets_without_bf16_mma_to_the_fallback():
 
 
 def _gemv_knobs(kernel):
-    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_*, mid_*, tall_* and
-    gemv_tiled_*)."""
+    """The knobs of the GEMV-mode kernel and gemm_rows (without the GEMMs' gemm_*, wgmma_*, mid_*, tall_*,
+    gemv_tiled_* and gemv_wgmma)."""
     return {
         k: v
         for k, v in kernel.knobs.items()
-        if not k.startswith(("gemm_", "gemv_tiled_", "wgmma_", "mid_", "tall_")) or k == "gemm_rows"
+        if not k.startswith(("gemm_", "gemv_tiled_", "gemv_wgmma", "wgmma_", "mid_", "tall_")) or k == "gemm_rows"
     }
 
 
@@ -407,6 +410,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
         "gemv_tiled_k_steps": 0,
         "gemv_tiled_k_warps": 0,
         "gemv_tiled_n_tiles": 0,
+        "gemv_wgmma": 0,
     }
     plan = fit_mma_plan(spec, target, kernel.knobs)
     cuda, launch = _lower(kernel, target)
@@ -784,7 +788,8 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
         assert body.count("y_ptr[") == 8 * plan.n_tiles
         assert body.rindex("if (((int)threadIdx.y) == 0)") < body.index("y_ptr[")
     # by shape
-    wide, wide_fp8 = (3, 4, 4, 4), (2, 4, 4, 4)  # four weight tiles per block share each x tile
+    # four weight tiles per block share each x tile; wide e4m3 weights take a warpgroup GEMM on sm_90 instead
+    wide, wide_fp8 = (3, 4, 4, 4), (0, 0, 0, 0) if target is SM90 else (2, 4, 4, 4)
     for other, chosen in [
         (LinearSpec("matmul", 24576, 4096), wide),
         (LinearSpec("lm_head", 151936, 4096), wide),
@@ -801,6 +806,7 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
     ]:
         knobs = LinearMmaRule().apply(other, target).knobs
         assert tuple(knobs[k] for k in FEW_ROWS_KNOBS) == chosen, other.name
+        assert knobs["gemv_wgmma"] == int(other.fp8 and chosen == (0, 0, 0, 0)), other.name
     # gemv_tiled_stages 0 gives GEMV mode too, and gemm_rows 0 leaves one kernel
     for knobs in ({"gemv_tiled_stages": 0}, {"gemm_rows": 0}):
         plain = LinearMmaRule().apply(spec, target, knobs)
@@ -811,6 +817,48 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
     gemv_plan = fit_mma_plan(spec, target, kernel.knobs)
     with pytest.raises(ScheduleError, match="one k split"):
         mma_gemv_func(spec, gemv_plan, None, plan)
+
+
+def test_wide_e4m3_weights_take_few_rows_on_a_warpgroup_gemm():
+    """gemv_wgmma 1 (the default for wide e4m3 weights on wgmma targets): the calls of at most gemm_rows rows
+    go to a warpgroup GEMM of 16-row x tiles, one warpgroup of 64 weight rows, four slots, the e4m3 converted
+    into the wgmmas' register A fragments, no k split; 17-32 rows take two x tiles. Elsewhere the small tiled
+    kernel keeps them, and the knob is refused where there is no wgmma."""
+    for rule, spec in [
+        (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, FP8)),
+        (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096, FP8)),
+        (LinearMmaRule(), LinearSpec("matmul_fp8", 24576, 4096, FP8)),
+    ]:
+        kernel = rule.apply(spec, SM90)
+        assert kernel.knobs["gemv_wgmma"] == 1 and kernel.knobs["gemv_tiled_stages"] == 0, spec.name
+        plan = few_rows_wgmma_plan(spec, SM90)
+        assert (plan.warpgroups, plan.block_m, plan.stages, plan.k_splits, plan.mma_groups, plan.convert) == (
+            1, 16, 4, 1, 2, CONVERT_REGISTERS
+        )  # fmt: skip
+        cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
+        func = cuda.functions[kernel.name]
+        few, *rest = func.launches({"m": 16})
+        assert func.launches({"m": 32}) == [few, *rest]  # a second x tile, no other kernel
+        assert len(rest) == int(spec.picks)  # lm_head_argmax: the merge of the blocks' picks
+        assert few.grid == ("((m + 15) // 16)", str(spec.n // 64), "1") and few.block == ("32", "4", "1")
+        assert int(few.dynamic_smem) == plan.shared_bytes() == 4 * (64 * 64 + 16 * 128)
+        body = cuda.source[slice(*kernel_bodies(cuda.source)[few.name])]
+        assert f"{mma_rk_name(16)}(" in body and f"{E4M3_A_FRAGMENT}(" in body and MMA_BF16 not in body
+        assert func.launches({"m": 33})[0] != few  # above gemm_rows: the GEMMs of taller tiles
+        # GB10 has no wgmma: the small tiled kernel, and the knob is refused
+        assert rule.apply(spec, SM121).knobs["gemv_wgmma"] == 0
+        with pytest.raises(ScheduleError, match="gemv_wgmma=1"):
+            rule.apply(spec, SM121, {"gemv_wgmma": 1})
+    with pytest.raises(ScheduleError, match="gemv_wgmma=2"):
+        LinearMmaRule().apply(LinearSpec("matmul_fp8", 24576, 4096, FP8), SM90, {"gemv_wgmma": 2})
+    # bf16 weights keep the small tiled kernel by default; the knob gives them the bf16 warpgroup GEMM
+    bf16 = LinearSpec("matmul_silu", 24576, 4096)
+    assert LinearSiluRule().apply(bf16, SM90).knobs["gemv_wgmma"] == 0
+    kernel = LinearSiluRule().apply(bf16, SM90, {"gemv_wgmma": 1})
+    assert kernel.knobs["gemv_wgmma"] == 1
+    cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
+    (few,) = cuda.functions[kernel.name].launches({"m": 16})
+    assert f"{mma_name(16)}(" in cuda.source[slice(*kernel_bodies(cuda.source)[few.name])]
 
 
 @pytest.mark.parametrize(
