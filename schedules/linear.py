@@ -585,8 +585,8 @@ class LinearMmaRule(FamilyRule):
         tuple[int, WgmmaPlan] | None,
         Any,
     ]:
-        """(GEMV-mode plan, GEMM above gemm_rows, small tiled kernel, GEMM up to mid_rows, (tall_rows, GEMM up
-        to them), PrimFunc)."""
+        """(GEMV-mode plan, GEMM above gemm_rows, the kernel up to gemm_rows (small tiled or warpgroup GEMM; None:
+        GEMV mode), GEMM up to mid_rows, (tall_rows, GEMM up to them), PrimFunc)."""
         plan = fit_mma_plan(spec, target, knobs)
         rows = knobs["gemm_rows"]
         if rows < 0:
@@ -669,7 +669,7 @@ class LinearMmaRule(FamilyRule):
           lm_head FP8 167.7 / 169.2 / 191.0 / 385.2 → 149.6 / 156.3 / 178.6 / 327.7.
           Two tiles per block gained less (gate_up FP8 at 16 rows 31.1), eight lost (45.2);
         * wide FP8 weights on targets with wgmma: the warpgroup GEMM of 16-row x tiles (`gemv_wgmma`), whose
-          small blocks (24 KiB, 80 registers a thread; two slots of copies in flight each) an SM holds six of,
+          small blocks (24 KiB, 80 registers a thread; two slots of copies in flight each) fit six to an SM,
           against three of the small tiled kernel (48 KiB, 142 registers). H100, one run of both builds in
           bench/propose.py (FP8 step, ms at nb = 1 / 4 / 8 / 16; µs the kernel adds in the timeline at nb = 1):
           0.772 / 1.001 / 1.343 / 2.440 → 0.755 / 1.002 / 1.328 / 2.447; lm_head 219.2 → 200.9, gate_up's five
@@ -1062,7 +1062,7 @@ def few_rows_wgmma_plan(spec: LinearSpec, target: Target, convert: int = 0) -> W
     small tiled kernel does), one warpgroup of 64 weight rows, four slots of one 64-wide k atom, one slot's
     wgmmas in flight for e4m3 weights, no k split (no workspace, no merge launch); `convert` as knob
     wgmma_convert (0: `default_convert`). Its blocks are small (24 KiB of slots for e4m3 weights), so an SM
-    holds twice as many as of the small tiled kernel (`LinearMmaRule.few_rows_defaults` has the figures)."""
+    fits twice as many as of the small tiled kernel (`LinearMmaRule.few_rows_defaults` has the figures)."""
     return fit_wgmma_plan(spec, target, {"warpgroups": 1, "block_m": FEW_ROWS_TILE, "stages": 4, "k_atoms": 1,
                                          "k_splits": 1, "mma_groups": 2 if spec.fp8 else 1,
                                          "k_reduce": KERNEL_REDUCE, "roles": SHARED_ROLES,

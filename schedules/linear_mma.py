@@ -160,10 +160,9 @@ def mma_gemv_func(
     a WgmmaPlan, the warpgroup GEMM of `linear_wgmma.py`) and its host code picks per call: `plan`'s kernel
     for m <= rows (or, with `small`, a second tiled kernel of that plan, or a warpgroup GEMM for a WgmmaPlan,
     which must not split k), the GEMM above (with, for k splits, its workspace and merge kernel); the kernel
-    table records each launch's
-    condition (codegen.KernelLaunch.when). With `mid`, a second warpgroup GEMM, the calls above rows and up
-    to mid.block_m rows go to it instead; with `tall = (tall_rows, plan)`, a third, the calls above those and
-    up to tall_rows rows, in x tiles of plan.block_m rows.
+    table records each launch's condition (codegen.KernelLaunch.when). With `mid`, a second warpgroup GEMM,
+    the calls above rows and up to mid.block_m rows go to it instead; with `tall = (tall_rows, plan)`, a
+    third, the calls above those and up to tall_rows rows, in x tiles of plan.block_m rows.
     """
     from tvm.script import tirx as T
 
