@@ -1063,9 +1063,9 @@ def few_rows_wgmma_plan(spec: LinearSpec, target: Target, convert: int = 0) -> W
     wgmmas in flight for e4m3 weights, no k split (no workspace, no merge launch); `convert` as knob
     wgmma_convert (0: `default_convert`). Its blocks are small (24 KiB of slots for e4m3 weights), so an SM
     fits twice as many as of the small tiled kernel (`LinearMmaRule.few_rows_defaults` has the figures)."""
-    return fit_wgmma_plan(spec, target, {"warpgroups": 1, "block_m": FEW_ROWS_TILE, "stages": 4, "k_atoms": 1,
-                                         "k_splits": 1, "mma_groups": 2 if spec.fp8 else 1,
-                                         "k_reduce": KERNEL_REDUCE, "roles": SHARED_ROLES,
+    shape = {**mid_defaults(spec, target, FEW_ROWS_TILE), "k_splits": 1}  # the mid GEMM's shape, unsplit
+    return fit_wgmma_plan(spec, target, {**shape, "block_m": FEW_ROWS_TILE, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
+                                         "roles": SHARED_ROLES,
                                          "convert": convert or default_convert(spec, FEW_ROWS_TILE)})  # fmt: skip
 
 

@@ -146,6 +146,11 @@ def x_ring_bytes(x_stages: int, m_tile: int, warps: int) -> int:
     return x_stages * (m_tile // MMA_COLS) * warps * WARP * 16
 
 
+def _gemm_body(spec: LinearSpec, plan: TiledPlan | WgmmaPlan) -> Any:
+    """The body macro of a tiled GEMM plan: `linear_wgmma.py`'s for a WgmmaPlan, else `linear_tiled.py`'s."""
+    return wgmma_body_macro(spec, plan) if isinstance(plan, WgmmaPlan) else tiled_body_macro(spec, plan)
+
+
 def mma_gemv_func(
     spec: LinearSpec,
     plan: MmaPlan,
@@ -193,14 +198,8 @@ def mma_gemv_func(
         )
     if gemm is not None:
         rows, tiled = gemm
-        few = (
-            body
-            if small is None
-            else wgmma_body_macro(spec, small)
-            if isinstance(small, WgmmaPlan)
-            else tiled_body_macro(spec, small)
-        )
-        large = wgmma_body_macro(spec, tiled) if isinstance(tiled, WgmmaPlan) else tiled_body_macro(spec, tiled)
+        few = body if small is None else _gemm_body(spec, small)
+        large = _gemm_body(spec, tiled)
         middle = wgmma_body_macro(spec, mid) if mid is not None else None
         mid_rows = mid.block_m if mid is not None else 0
 
