@@ -136,21 +136,24 @@ GEMM_ODD_VARIANTS = ((2, 2, 4, 8, 4, 1, 2), (1, 1, 2, 4, 2, 3, 1), (2, 1, 1, 8, 
 GEMM_ODD_ROWS = (33, 70, 130, 300)
 # the warpgroup GEMM (linear_wgmma.py, on sm_90a): (warpgroups, block_m, stages, k_atoms, k_splits[, mma_groups
 # [, k_reduce[, roles[, convert]]]]) variants with --gemm (--wgmma-variant replaces them), and its correctness
-# cases: ragged n, rows of x past m, k splits (through a merge kernel, and added in a cluster: k_reduce 2, 2 to 8
-# splits), slots of two atoms, one to three warpgroups, 40-, 64- and 256-row x tiles, a producer warp (roles 2)
-# with one or two groups in flight, two to four slots, fewer slots than a split has and more, and e4m3 weights
-# converted into a shared bf16 tile (convert 1; their default converts into register fragments), built for e4m3
-# weights only: bf16 ones have nothing to convert
+# cases: ragged n (one not a multiple of 4), rows of x past m, k splits (through a merge kernel, added in a
+# cluster: k_reduce 2, 2 to 8 splits, and by a tile's last block: k_reduce 3), slots of two atoms, one to three
+# warpgroups, 40-, 64- and 256-row x tiles, a producer warp (roles 2) with one or two groups in flight, two to
+# four slots, fewer slots than a split has and more, and e4m3 weights converted into a shared bf16 tile
+# (convert 1; their default converts into register fragments), built for e4m3 weights only: bf16 ones have
+# nothing to convert
 WGMMA_VARIANTS = ((2, 128, 3, 1, 1), (2, 128, 4, 1, 1), (1, 128, 4, 1, 1), (2, 256, 3, 1, 1), (2, 128, 3, 1, 2))
 WGMMA_ODD = (("matmul", 200, 256, BF16), ("lm_head", 384, 512, BF16), ("matmul_fp8", 200, 256, FP8),
-             ("lm_head", 384, 512, FP8))  # fmt: skip
+             ("lm_head", 384, 512, FP8), ("matmul_fp8", 202, 256, FP8))  # fmt: skip
 WGMMA_ODD_VARIANTS = ((1, 128, 2, 1, 1), (2, 64, 3, 2, 2), (2, 256, 2, 1, 4), (1, 40, 3, 2, 1), (3, 128, 3, 1, 1, 2),
                       (1, 64, 4, 2, 2, 2), (2, 64, 3, 2, 2, 1, 2), (1, 40, 3, 1, 4, 2, 2), (3, 128, 3, 1, 8, 1, 2),
                       (2, 256, 2, 1, 4, 1, 2), (1, 40, 3, 2, 1, 1, 1, 2), (2, 64, 3, 2, 2, 2, 1, 2),
                       (3, 128, 4, 1, 1, 2, 1, 2), (1, 128, 2, 1, 4, 1, 1, 2), (2, 256, 3, 1, 2, 1, 1, 2),
                       (1, 128, 2, 1, 1, 1, 1, 1, 1), (2, 64, 3, 2, 2, 2, 1, 1, 1), (1, 40, 3, 1, 1, 2, 1, 1, 1),
                       (3, 128, 3, 1, 1, 2, 1, 1, 1), (1, 256, 3, 1, 4, 2, 1, 1, 1), (2, 64, 3, 1, 4, 2, 2, 1, 1),
-                      (1, 40, 3, 2, 2, 2, 1, 2, 1), (2, 128, 3, 1, 2, 1, 1, 2, 1))  # fmt: skip
+                      (1, 40, 3, 2, 2, 2, 1, 2, 1), (2, 128, 3, 1, 2, 1, 1, 2, 1),
+                      (2, 64, 3, 2, 2, 2, 3), (1, 40, 3, 1, 4, 2, 3), (3, 128, 3, 1, 4, 1, 3), (2, 256, 2, 1, 2, 1, 3),
+                      (1, 128, 3, 1, 4, 2, 3, 1, 1))  # fmt: skip
 # --few-rows (instead of the above): the kernel for calls of at most gemm_rows rows, the small tiled kernel
 # (default for bf16) against GEMV mode, with variants of its knobs for both dtypes
 FEW_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")

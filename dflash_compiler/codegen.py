@@ -106,7 +106,8 @@ class FuncParam(_Frozen):
 
 
 class Workspace(_Frozen):
-    """A buffer TVM allocates on the host side between two kernels; the runtime must provide it."""
+    """A buffer TVM allocates on the host side between two kernels; the runtime must provide it, zero-filled
+    when allocated (a kernel may keep counts there that it returns to zero itself)."""
 
     name: str
     dtype: str

@@ -155,6 +155,7 @@ def run_case(
     for ws in function.workspaces:
         count = int(np.prod([evaluate(d, sizes) for d in ws.shape]))
         pointers[ws.name] = device.alloc(count * dtype_bytes(ws.dtype))
+        device.zero(pointers[ws.name], count * dtype_bytes(ws.dtype))  # as the runtime's (executor.py)
     try:
 
         def launch_all(stream: object = 0) -> None:

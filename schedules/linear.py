@@ -46,6 +46,7 @@ from .linear_wgmma import (
     CONVERT_REGISTERS,
     CONVERT_TILE,
     KERNEL_REDUCE,
+    LAST_REDUCE,
     PRODUCER_ROLES,
     PRODUCER_WARPS,
     SHARED_ROLES,
@@ -77,6 +78,7 @@ _OP_ATTR = "dflash.op"
 # the small tiled kernel's knobs (calls of at most gemm_rows rows; `small_tiled_plan`)
 FEW_ROWS_KNOBS = ("gemv_tiled_stages", "gemv_tiled_k_steps", "gemv_tiled_k_warps", "gemv_tiled_n_tiles")
 FEW_ROWS_TILE = 16  # x rows per tile of the kernels of calls up to gemm_rows rows: one draft block
+FEW_ROWS_DEEP_STAGES = 6  # the few-rows warpgroup GEMM's slots where its call is one wave (few_rows_wgmma_stages)
 # the shape knobs of the warpgroup GEMM of calls up to mid_rows rows (LinearMmaRule takes them as mid_<name>)
 MID_KNOBS = ("warpgroups", "stages", "k_splits", "mma_groups")
 MID_ROWS = 64  # the calls of 33-64 rows (three or four draft blocks) take a GEMM of 64-row x tiles
@@ -379,6 +381,7 @@ class LinearMmaRule(FamilyRule):
     makes that GEMM the warpgroup one instead, with knobs `wgmma_warpgroups`, `wgmma_block_m`, `wgmma_stages`,
     `wgmma_k_atoms`, `wgmma_k_splits`, `wgmma_mma_groups`, `wgmma_k_reduce`, `wgmma_roles` and `wgmma_convert`
     (WgmmaPlan; 0 takes `wgmma_defaults`; k_reduce 2 adds the k splits in a thread block cluster of at most 8,
+    3 by each tile's last block to finish, for the mid and tall GEMMs too (`tier_reduce`),
     roles 2 copies on a producer warpgroup, convert 2 turns e4m3 weights into the wgmmas' A fragments in
     registers, for both warpgroup GEMMs, and bf16 weights report 1); the other GEMM's knobs are refused. With
     the warpgroup GEMM, `mid_rows` > gemm_rows gives the calls of gemm_rows + 1 to mid_rows rows a second one of
@@ -399,7 +402,7 @@ class LinearMmaRule(FamilyRule):
 
     name = "linear_mma"
     knob_names = ("warps", "row_tiles", "unroll", "m_tile", "stages", "x_stages", "n_warps", "gemm_rows",
-                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS, "gemv_wgmma",
+                  *(f"gemm_{name}" for name in TILED_KNOBS), *FEW_ROWS_KNOBS, "gemv_wgmma", "gemv_wgmma_stages",
                   "gemm_wgmma", *(f"wgmma_{name}" for name in WGMMA_KNOBS), "mid_rows",
                   *(f"mid_{name}" for name in MID_KNOBS), "tall_rows",
                   *(f"tall_{name}" for name in TALL_KNOBS))  # fmt: skip
@@ -427,6 +430,8 @@ class LinearMmaRule(FamilyRule):
             **few_rows_knobs(0, 8, 1),
             # calls of at most gemm_rows rows on a warpgroup GEMM of 16-row x tiles instead (1); by the weight
             "gemv_wgmma": 0,
+            # and its slots (0: few_rows_wgmma_stages)
+            "gemv_wgmma_stages": 0,
             # calls above gemm_rows rows: the tiled mma.sync GEMM (0) or the warpgroup GEMM (1, on targets
             # with wgmma); knobs_for picks by weight and target, and 0 takes wgmma_defaults
             "gemm_wgmma": 0,
@@ -457,6 +462,7 @@ class LinearMmaRule(FamilyRule):
         few = (few_rows_knobs(small.stages, small.k_steps, small.k_warps, small.n_tiles) if tiled
                else few_rows_knobs(0, 0, 0, 0))  # fmt: skip
         few["gemv_wgmma"] = int(isinstance(small, WgmmaPlan))
+        few["gemv_wgmma_stages"] = small.stages if isinstance(small, WgmmaPlan) else 0
         mid_used = {"mid_rows": mid.block_m, **{f"mid_{name}": getattr(mid, name) for name in MID_KNOBS}} if mid else {}
         tall_used = (
             {"tall_rows": tall[0], **{f"tall_{name}": getattr(tall[1], name) for name in TALL_KNOBS}} if tall else {}
@@ -496,7 +502,12 @@ class LinearMmaRule(FamilyRule):
                     f"with k a multiple of 64 on targets with wgmma (found k={spec.k}, wgmma={target.wgmma}). Fix: "
                     "gemv_wgmma 0"
                 )
-            return few_rows_wgmma_plan(spec, target, knobs["wgmma_convert"])
+            return few_rows_wgmma_plan(spec, target, knobs["wgmma_convert"], knobs["gemv_wgmma_stages"])
+        if knobs["gemv_wgmma_stages"]:
+            raise ScheduleError(
+                f"{self.name} knob gemv_wgmma_stages={knobs['gemv_wgmma_stages']} on {spec.name}: it sets the slots of "
+                "the warpgroup GEMM of gemv_wgmma 1, and gemv_wgmma is 0. Fix: drop it, or set gemv_wgmma 1"
+            )
         return small_tiled_plan(spec, target, knobs) if knobs["gemv_tiled_stages"] else None
 
     def _mid_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> WgmmaPlan | None:
@@ -515,8 +526,9 @@ class LinearMmaRule(FamilyRule):
         shape = {**mid_defaults(spec, target, rows), **given}
         # the e4m3 conversion as the GEMM above mid_rows has it (wgmma_convert)
         convert = knobs["wgmma_convert"] or default_convert(spec, rows)
-        return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
-                                             "roles": SHARED_ROLES, "convert": convert})  # fmt: skip
+        return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1,
+                                             "k_reduce": tier_reduce(spec, target, knobs), "roles": SHARED_ROLES,
+                                             "convert": convert})  # fmt: skip
 
     def _tall_plan(
         self, spec: LinearSpec, target: Target, knobs: Mapping[str, int], below: int
@@ -541,8 +553,8 @@ class LinearMmaRule(FamilyRule):
                 f"tall_rows={rows} rows they take. Fix: tall_block_m at most tall_rows"
             )
         convert = knobs["wgmma_convert"] or default_convert(spec, shape["block_m"])
-        plan = fit_wgmma_plan(spec, target, {**shape, "k_atoms": 1, "k_reduce": KERNEL_REDUCE, "roles": SHARED_ROLES,
-                                             "convert": convert})  # fmt: skip
+        plan = fit_wgmma_plan(spec, target, {**shape, "k_atoms": 1, "k_reduce": tier_reduce(spec, target, knobs),
+                                             "roles": SHARED_ROLES, "convert": convert})  # fmt: skip
         return rows, plan
 
     def _gemm_plan(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan | WgmmaPlan | None:
@@ -673,8 +685,9 @@ class LinearMmaRule(FamilyRule):
           against three of the small tiled kernel (48 KiB, 142 registers). H100, one run of both builds in
           bench/propose.py (FP8 step, ms at nb = 1 / 4 / 8 / 16; µs the kernel adds in the timeline at nb = 1):
           0.772 / 1.001 / 1.343 / 2.440 → 0.755 / 1.002 / 1.328 / 2.447; lm_head 219.2 → 200.9, gate_up's five
-          calls 198.2 → 193.2 (an earlier run with every FP8 linear on it: lm_head 219.1 → 200.7, gate_up 203.6 →
-          200.5). The narrow FP8 weights lost on it (the step 0.770 → 0.774 ms): their 64 to 96 blocks of 64
+          calls 198.2 → 193.2 with four slots (an earlier run with every FP8 linear on it: lm_head 219.1 →
+          200.7, gate_up 203.6 → 200.5); six where a call is one wave took gate_up to 184.0 (`few_rows_wgmma_plan`
+          has the figures). The narrow FP8 weights lost on it (the step 0.770 → 0.774 ms): their 64 to 96 blocks of 64
           rows need k splits and a merge launch (µs added at nb = 1, kernel + merge: o_proj 40.1 → 36.3 + 8.2,
           qkv 52.4 → 51.9 + 6.2, down 93.7 → 87.0 + 7.5). Standalone (bench/kernels.py, µs at 16 rows, the
           lm_head's 15): lm_head 236.7 → 218.7, gate_up 50.7 → 49.5.
@@ -909,10 +922,31 @@ def wgmma_defaults(
             key = (round(cost, 3), splits, order)
             if best is None or key < best[0]:
                 best = (key, {"warpgroups": groups, "block_m": tile_rows, "stages": stages, "k_atoms": 1,
-                              "k_splits": splits, "mma_groups": mma_groups, "k_reduce": KERNEL_REDUCE})  # fmt: skip
+                              "k_splits": splits, "mma_groups": mma_groups,
+                              "k_reduce": default_reduce(spec, target)})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
     return {**best[1], "roles": SHARED_ROLES, "convert": default_convert(spec, tile_rows)}
+
+
+def default_reduce(spec: LinearSpec, target: Target) -> int:
+    """How the warpgroup GEMMs' k splits add up unless knob wgmma_k_reduce says: a merge kernel (KERNEL_REDUCE).
+
+    The tile's last block adding them (LAST_REDUCE, every tier; `linear_wgmma.last_store_macro`) saves the merge
+    launch but leaves one block of 128 threads a tile's whole sum at the end of the grid, and lost. H100, one run
+    of the builds between two copies of the default (bench/propose.py, ms of the step at nb = 1 / 4 / 8 / 16; µs
+    o_proj's five calls add at nb = 8, timeline): bf16 1.256 / 1.470 / 1.703 / 2.501 → 1.264 / 1.499 / 1.749 /
+    2.605, o_proj 17.5 + 2.1 (GEMM + merge) → 23.2 a call; FP8 0.747 / 0.998 / 1.328 / 2.424 → 0.748 / 1.023 /
+    1.392 / 2.528. It is correct (bench/linear.py --gemm: 566/566 checks with its odd-shape cases; bench/kernels.py
+    and the GPU tests with the knob: 43/43 and 45 passed), and stays a knob for a tuning database."""
+    return KERNEL_REDUCE
+
+
+def tier_reduce(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> int:
+    """The mid and tall GEMMs' k_reduce: the tile's last block (LAST_REDUCE) where the knob wgmma_k_reduce or
+    `default_reduce` says so, else the merge kernel (clusters are the GEMM above them only)."""
+    reduce = knobs["wgmma_k_reduce"] or default_reduce(spec, target)
+    return LAST_REDUCE if reduce == LAST_REDUCE else KERNEL_REDUCE
 
 
 def default_convert(spec: LinearSpec, block_m: int) -> int:
@@ -999,21 +1033,22 @@ def fit_wgmma_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -
             f"{rule} knob wgmma_roles={values['roles']}: expected {SHARED_ROLES} (every warp copies and multiplies) or "
             f"{PRODUCER_ROLES} (one more warpgroup copies, the others multiply)"
         )
-    if values["roles"] == PRODUCER_ROLES and values["k_reduce"] == CLUSTER_REDUCE:
+    if values["roles"] == PRODUCER_ROLES and values["k_reduce"] in (CLUSTER_REDUCE, LAST_REDUCE):
         raise ScheduleError(
-            f"{rule} knobs wgmma_roles={PRODUCER_ROLES}, wgmma_k_reduce={CLUSTER_REDUCE}: the cluster's store meets "
-            "every thread of the cluster, and the producer warpgroup has no accumulators. Fix: wgmma_k_reduce "
-            f"{KERNEL_REDUCE}, or wgmma_roles {SHARED_ROLES}"
+            f"{rule} knobs wgmma_roles={PRODUCER_ROLES}, wgmma_k_reduce={values['k_reduce']}: the cluster's or the "
+            "last block's sum is the multiplying threads' alone, and the producer warpgroup has no accumulators. "
+            f"Fix: wgmma_k_reduce {KERNEL_REDUCE}, or wgmma_roles {SHARED_ROLES}"
         )
     if values["convert"] not in (CONVERT_TILE, CONVERT_REGISTERS):
         raise ScheduleError(
             f"{rule} knob wgmma_convert={values['convert']}: expected {CONVERT_TILE} (e4m3 weights converted into a "
             f"shared bf16 tile) or {CONVERT_REGISTERS} (into the wgmmas' A fragments in registers)"
         )
-    if values["k_reduce"] not in (KERNEL_REDUCE, CLUSTER_REDUCE):
+    if values["k_reduce"] not in (KERNEL_REDUCE, CLUSTER_REDUCE, LAST_REDUCE):
         raise ScheduleError(
             f"{rule} knob wgmma_k_reduce={values['k_reduce']}: expected {KERNEL_REDUCE} (the k splits' partial sums "
-            f"through a workspace and a merge kernel) or {CLUSTER_REDUCE} (added in a thread block cluster)"
+            f"through a workspace and a merge kernel), {CLUSTER_REDUCE} (added in a thread block cluster) or "
+            f"{LAST_REDUCE} (added by the tile's last block to finish)"
         )
     if values["block_m"] % 8 or values["block_m"] > 256:
         raise ScheduleError(f"{rule} knob wgmma_block_m={values['block_m']}: wgmma's N is a multiple of 8 up to 256")
@@ -1056,17 +1091,34 @@ def wide_weight(spec: LinearSpec, target: Target) -> bool:
     return spec.n >= 4 * target.sm_count * 2 * MMA_ROWS
 
 
-def few_rows_wgmma_plan(spec: LinearSpec, target: Target, convert: int = 0) -> WgmmaPlan:
+def few_rows_wgmma_plan(spec: LinearSpec, target: Target, convert: int = 0, stages: int = 0) -> WgmmaPlan:
     """The warpgroup GEMM of the calls of at most gemm_rows rows under knob gemv_wgmma: x tiles of one draft
     block (FEW_ROWS_TILE rows; a call of 17-32 rows takes two, the second reading the weight from L2, as the
-    small tiled kernel does), one warpgroup of 64 weight rows, four slots of one 64-wide k atom, one slot's
-    wgmmas in flight for e4m3 weights, no k split (no workspace, no merge launch); `convert` as knob
-    wgmma_convert (0: `default_convert`). Its blocks are small (24 KiB of slots for e4m3 weights), so an SM
-    fits twice as many as of the small tiled kernel (`LinearMmaRule.few_rows_defaults` has the figures)."""
+    small tiled kernel does), one warpgroup of 64 weight rows, slots of one 64-wide k atom, one slot's wgmmas in
+    flight for e4m3 weights, no k split (no workspace, no merge launch); `convert` as knob wgmma_convert (0:
+    `default_convert`). Its blocks are small (24 KiB of four slots for e4m3 weights), so an SM fits twice as
+    many as of the small tiled kernel (`LinearMmaRule.few_rows_defaults` has the figures).
+
+    `stages` slots (knob gemv_wgmma_stages; 0: FEW_ROWS_DEEP_STAGES where a 16-row call's blocks at that depth
+    fit one wave of the target's SMs, else the mid GEMM's four). A call of one wave leaves SM slots empty, which
+    deeper rings fill with bytes in flight; one of several waves has every slot taken, and deeper rings only
+    leave fewer blocks an SM. H100, one run of three builds between two copies of the four-slot one
+    (bench/propose.py, FP8 step at nb = 1, µs the calls add in the timeline): gate_up's five calls (384 blocks,
+    one wave) 198.0 / 193.9 with four slots, 184.0 with six, 187.5 with eight; lm_head (2,374 blocks, three
+    waves or more) 200.0 / 198.9, 202.1 and 211.1. This rule against four slots everywhere, another run: gate_up
+    194.5 → 184.0 / 184.1 (two builds), the FP8 step at nb = 1 0.757 / 0.754 → 0.747 / 0.748 ms."""
     shape = {**mid_defaults(spec, target, FEW_ROWS_TILE), "k_splits": 1}  # the mid GEMM's shape, unsplit
-    return fit_wgmma_plan(spec, target, {**shape, "block_m": FEW_ROWS_TILE, "k_atoms": 1, "k_reduce": KERNEL_REDUCE,
-                                         "roles": SHARED_ROLES,
-                                         "convert": convert or default_convert(spec, FEW_ROWS_TILE)})  # fmt: skip
+
+    def plan_of(slots: int) -> WgmmaPlan:
+        return fit_wgmma_plan(spec, target, {**shape, "stages": slots, "block_m": FEW_ROWS_TILE, "k_atoms": 1,
+                                             "k_reduce": KERNEL_REDUCE, "roles": SHARED_ROLES,
+                                             "convert": convert or default_convert(spec, FEW_ROWS_TILE)})  # fmt: skip
+
+    if stages:
+        return plan_of(stages)
+    deep = plan_of(FEW_ROWS_DEEP_STAGES)
+    per_sm = min(target.shared_memory_per_sm // deep.shared_bytes(), target.max_threads_per_sm // deep.threads)
+    return deep if -(-spec.n // deep.block_n) <= per_sm * target.sm_count else plan_of(shape["stages"])
 
 
 def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:

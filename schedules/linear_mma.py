@@ -268,9 +268,12 @@ def partials_shape(spec: LinearSpec, plan: TiledPlan | WgmmaPlan, m: Any) -> tup
     """The host workspace of a tiled or warpgroup GEMM's call of `m` rows: lm_head_argmax's best (rank, value)
     per row and block along n, `[2, m, blocks]` (linear_argmax.py); the k splits' f32 partial sums `[m,
     splits, n]` for the merge kernel (a row's splits apart by a constant stride, so that the merge's loads of
-    them are vector loads), unless a cluster adds them (linear_wgmma.py); else one slot of nothing."""
+    them are vector loads), unless a cluster adds them (linear_wgmma.py), with a plane past the splits' for the
+    tiles' counts where the last block adds them (`last_store_macro`); else one slot of nothing."""
     if spec.picks:
         return (2, m, pick_blocks(spec, plan))
+    if isinstance(plan, WgmmaPlan) and plan.last:  # and a plane past the splits': the tiles' counts
+        return (m, plan.k_splits + 1, spec.n)
     if plan.k_splits > 1 and not (isinstance(plan, WgmmaPlan) and plan.cluster):
         return (m, plan.k_splits, spec.n)
     return (1,)

@@ -335,6 +335,15 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
     return store
 
 
+def split_sum(part: Any, scale: Any, row: Any, col: Any, k_splits: int, fp8: bool) -> Any:
+    """Output (row, col) of a k-split GEMM: its splits' partial sums part[row, 0 .. k_splits, col] added in split
+    order (FP8: times the row's scale), as the merge kernel and the warpgroup GEMM's last block add them."""
+    value = part[row, 0, col]
+    for s in range(1, k_splits):
+        value = value + part[row, s, col]
+    return value * scale[col] if fp8 else value
+
+
 def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
     """A TVMScript macro `merge(scale, y, part, m)`: its own kernel, y = the sum of the k splits' partial
     sums part[:, 0 .. k_splits) (FP8: times the row's scale), added in split order. A thread adds
@@ -350,13 +359,6 @@ def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
     vector = MERGE_VECTOR if n % MERGE_VECTOR == 0 else 1
     count = n // vector  # vectors per row
 
-    def merged(part: Any, scale: Any, row: Any, col: Any) -> Any:
-        """Output (row, col): its splits' partial sums in split order (FP8: times the row's scale)."""
-        value = part[row, 0, col]
-        for s in range(1, k_splits):
-            value = value + part[row, s, col]
-        return value * scale[col] if fp8 else value
-
     @T.macro
     def merge(scale, y, part, m):
         for b in T.thread_binding(T.ceildiv(m * count, MERGE_THREADS), thread="blockIdx.x"):
@@ -369,7 +371,7 @@ def merge_macro(spec: LinearSpec, k_splits: int) -> Any:
                     col = T.meta_var((b * MERGE_THREADS + tx) % count * vector)
                     if b * MERGE_THREADS + tx < m * count:
                         for v in T.vectorized(vector):
-                            out[v] = T.Cast(out_dtype, merged(part, scale, row, col + v))
+                            out[v] = T.Cast(out_dtype, split_sum(part, scale, row, col + v, k_splits, fp8))
                         for v in T.vectorized(vector):
                             y[row, col + v] = out[v]
 

@@ -47,7 +47,8 @@ so linear_tiled.py's store and k-split merge serve both kernels: the grid is (m 
 the m tiles of one weight tile neighbours in launch order (the weight crosses from DRAM once), and with
 `k_splits > 1` the blocks write f32 partial sums that a second kernel adds, or, with `k_reduce` 2, the
 splits of a tile are one thread block cluster that adds them in shared memory (`cluster_store_macro`): no
-workspace, no second launch. The first slots' weight copies are issued before the wait for the grid that
+workspace, no second launch; with `k_reduce` 3 the tile's last block to finish adds them from the workspace
+(`last_store_macro`): no second launch. The first slots' weight copies are issued before the wait for the grid that
 writes x (dependent_launch.py), the next grid is let in once a block has issued its last weight copies.
 
 The slots need a 1024-byte aligned base: the kernel's only shared memory is this dynamic allocation, and
@@ -79,7 +80,7 @@ from dflash_compiler.wgmma import (
 
 from .base import ScheduleError
 from .linear_argmax import pick_macro, pick_merge_macro
-from .linear_tiled import merge_macro, store_macro
+from .linear_tiled import MERGE_VECTOR, merge_macro, split_sum, store_macro
 
 if TYPE_CHECKING:
     from .linear import LinearSpec
@@ -92,13 +93,15 @@ WGMMA_K = 16
 WGMMA_KNOBS = (
     "warpgroups", "block_m", "stages", "k_atoms", "k_splits", "mma_groups", "k_reduce", "roles", "convert",
 )  # fmt: skip
-# how the k splits of a tile add up (k_reduce): a workspace and a merge kernel, or within a thread block cluster
-KERNEL_REDUCE, CLUSTER_REDUCE = 1, 2
+# how the k splits of a tile add up (k_reduce): a workspace and a merge kernel, within a thread block cluster, or
+# by the tile's last block to finish (last_store_macro)
+KERNEL_REDUCE, CLUSTER_REDUCE, LAST_REDUCE = 1, 2, 3
 # who copies (roles): every warp copies and multiplies, or one more warp copies for the multiplying warpgroups
 SHARED_ROLES, PRODUCER_ROLES = 1, 2
 # where e4m3 weights become bf16 (convert): a shared-memory tile the wgmmas read, or their A fragments in registers
 CONVERT_TILE, CONVERT_REGISTERS = 1, 2
 PRODUCER_WARPS = 4  # one warp alone issued the copies too slowly (H200, bf16 step at nb = 16: 3.108 against 2.338 ms)
+THREAD_FENCE = "__threadfence"  # orders a thread's global writes before its later ones, device-wide
 CLUSTER_PAD = 4  # floats past each row of the cluster's f32 tile: rows stay 16-byte aligned, banks shift
 
 
@@ -110,10 +113,10 @@ class WgmmaPlan:
     block_m: int  # rows of x per block: wgmma's N (a multiple of 8, at most 256)
     stages: int  # shared-memory slots of the copy pipeline
     k_atoms: int  # 64-wide k atoms per slot
-    k_splits: int  # blocks along k (> 1: partial sums added by a second kernel, or in a cluster: k_reduce)
+    k_splits: int  # blocks along k (> 1: partial sums added by a second kernel, a cluster or the last: k_reduce)
     mma_groups: int = 1  # slots' wgmma groups a warpgroup has in flight: 2 keeps one running into the next slot
     weight_bytes: int = 2  # per weight element: 2 bf16, 1 e4m3 (converted to bf16 in shared memory)
-    k_reduce: int = KERNEL_REDUCE  # KERNEL_REDUCE or CLUSTER_REDUCE (module docstring)
+    k_reduce: int = KERNEL_REDUCE  # KERNEL_REDUCE, CLUSTER_REDUCE or LAST_REDUCE (module docstring)
     roles: int = SHARED_ROLES  # SHARED_ROLES or PRODUCER_ROLES (module docstring)
     convert: int = CONVERT_TILE  # CONVERT_TILE or CONVERT_REGISTERS (e4m3 weights only; module docstring)
 
@@ -179,6 +182,11 @@ class WgmmaPlan:
     def cluster(self) -> bool:
         """The k splits of a tile are one thread block cluster that adds them in shared memory."""
         return self.k_splits > 1 and self.k_reduce == CLUSTER_REDUCE
+
+    @property
+    def last(self) -> bool:
+        """The k splits of a tile are added by whichever of its blocks finishes last (last_store_macro)."""
+        return self.k_splits > 1 and self.k_reduce == LAST_REDUCE
 
     def reduce_bytes(self) -> int:
         """The cluster's f32 tile of a block's partial sums, over the pipeline's slots (none without one)."""
@@ -311,7 +319,15 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     picks = spec.picks
     cluster = plan.cluster
     cluster_store = cluster_store_macro(spec, plan) if cluster else None
+    last = plan.last
+    last_store = last_store_macro(spec, plan) if last else None
     producer = plan.producer
+    if producer and last:
+        raise ScheduleError(
+            f"{spec.name}: wgmma roles={PRODUCER_ROLES} (a producer warpgroup) with k_reduce={LAST_REDUCE}: the last "
+            f"block's sum is shared by the multiplying threads alone. Fix: k_reduce {KERNEL_REDUCE}, or roles "
+            f"{SHARED_ROLES}"
+        )
     if producer and cluster:
         raise ScheduleError(
             f"{spec.name}: wgmma roles={PRODUCER_ROLES} (a producer warpgroup) with k_reduce={CLUSTER_REDUCE}: the "
@@ -523,12 +539,67 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                         store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
                                 else:
                                     store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
-        if k_splits > 1 and not cluster:
+                                if last:
+                                    last_store(scale, y, part, m, smem, bm, bn, tid)
+        if k_splits > 1 and not cluster and not last:
             merge(scale, y, part, m)
         if picks:
             pick_merge(part, y, m)
 
     return body
+
+
+def last_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
+    """A TVMScript macro `last_store(scale, y, part, m, smem, bm, bn, tid)`, run by every thread of a block
+    once it has stored its partial sums into the workspace part[:, ks] (`linear_tiled.store_macro`): the tile's
+    last block to get here adds the k splits' sums, in split order, applies the FP8 row scale and stores y, so no
+    merge kernel is launched.
+
+    The threads' stores are made visible device-wide (`__threadfence`) before a block barrier, after which
+    thread 0 counts the block with one atomic add to the tile's count, part[bm, k_splits, bn] (the workspace's
+    plane after the splits', `partials_shape`; an f32 count, exact at these sizes); the block that finds
+    k_splits - 1 before it is the last, resets the count to zero for the next call (every split has counted by
+    then) and, after a fence that orders its reads after the count, adds the tile: MERGE_VECTOR neighbouring
+    outputs a thread (one 16-byte load a split) where n is a multiple of it, as the merge kernel does, so the
+    sums are the same to the bit. The runtime zero-fills a workspace once, when it allocates it; the count a
+    block found goes to the others through the first word of its slots, free once every copy has landed and
+    every wgmma has completed (each thread waited for its own before storing)."""
+    from tvm.script import tirx as T
+
+    n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
+    bn_rows, bm_rows, threads, splits = plan.block_n, plan.block_m, plan.threads, plan.k_splits
+    vector = MERGE_VECTOR if n % MERGE_VECTOR == 0 else 1
+    per_row = bn_rows // vector  # vectors of a tile row
+    chunks = bm_rows * per_row
+    rounds = -(-chunks // threads)
+
+    @T.macro
+    def last_store(scale, y, part, m, smem, bm, bn, tid):
+        flag = T.decl_buffer((1,), "float32", data=smem.data, scope="shared.dyn")
+        before = T.sblock_alloc_buffer((1,), "float32", scope="local")  # splits counted before this block
+        out = T.sblock_alloc_buffer((vector,), out_dtype, scope="local")
+        T.evaluate(T.call_extern("void", THREAD_FENCE))
+        T.tvm_storage_sync("shared")
+        if tid == 0:
+            before[0] = T.call_extern("float32", "atomicAdd", T.address_of(part[bm, splits, bn]), T.float32(1))
+            flag[0] = before[0]
+            if before[0] == T.float32(splits - 1):
+                part[bm, splits, bn] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        before[0] = flag[0]  # a register: TVM takes no shared-memory load in a branch's condition
+        if before[0] == T.float32(splits - 1):
+            T.evaluate(T.call_extern("void", THREAD_FENCE))
+            for r in T.unroll(rounds):
+                c = T.meta_var(r * threads + tid)
+                i = T.meta_var(bm * bm_rows + c // per_row)
+                j = T.meta_var(bn * bn_rows + c % per_row * vector)
+                if (chunks % threads == 0 or c < chunks) and i < m and j < n:
+                    for v in T.vectorized(vector):
+                        out[v] = T.Cast(out_dtype, split_sum(part, scale, i, j + v, splits, fp8))
+                    for v in T.vectorized(vector):
+                        y[i, j + v] = out[v]
+
+    return last_store
 
 
 def cluster_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:

@@ -56,8 +56,9 @@ class PhaseExecutor:
                 self.base[name] = self.arena + int(slot.offset or 0)
             elif slot.kind in ("input", "output"):
                 self.base[name] = self._alloc(self.max_bytes(name))
+        # zero-filled: a kernel may keep counts there that it returns to zero itself (linear_wgmma.last_store_macro)
         self.workspaces = {
-            (fn.name, ws.name): self._alloc(self._workspace_bytes(fn.name, ws.shape, ws.dtype))
+            (fn.name, ws.name): self._alloc_zeroed(self._workspace_bytes(fn.name, ws.shape, ws.dtype))
             for fn in kernels.values()
             for ws in fn.workspaces
         }
@@ -68,6 +69,11 @@ class PhaseExecutor:
     def _alloc(self, nbytes: int) -> int:
         pointer = self.device.alloc(nbytes)
         self._owned.append(pointer)
+        return pointer
+
+    def _alloc_zeroed(self, nbytes: int) -> int:
+        pointer = self._alloc(nbytes)
+        self.device.zero(pointer, nbytes)
         return pointer
 
     def shape(self, value: str, dims: Mapping[str, int]) -> tuple[int, ...]:

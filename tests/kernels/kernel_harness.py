@@ -34,6 +34,11 @@ DFLASH2_SWA = BlockAttentionSpec(block=16, heads=32, kv_heads=8, head_dim=128, c
 DSPARK = BlockAttentionSpec(block=7, heads=32, kv_heads=8, head_dim=128, causal=False)
 SMALL = BlockAttentionSpec(block=8, heads=8, kv_heads=8, head_dim=64, causal=True, window=24)  # 8 rows, no GQA
 
+# a warpgroup GEMM plan's knobs by name (fit_wgmma_plan): one warpgroup, 128-row x tiles, four slots of one atom,
+# four k splits through a merge kernel; tests of one knob override it
+WGMMA_PLAN = {"warpgroups": 1, "block_m": 128, "stages": 4, "k_atoms": 1, "k_splits": 4, "mma_groups": 1, "k_reduce": 1,
+              "roles": 1, "convert": 1}  # fmt: skip
+
 # the linears whose epilogue takes whole sums (lm_head + argmax, gate_up + silu on FP8 weights), as a test's
 # (rule, spec) parameters
 FUSED_EPILOGUES = pytest.mark.parametrize(

@@ -19,15 +19,22 @@ class FakeDevice:
     def __init__(self) -> None:
         self.next = 1 << 32
         self.sizes: dict[int, int] = {}
+        self.requested: dict[int, int] = {}
+        self.zeroed: dict[int, int] = {}
 
     def alloc(self, nbytes: int) -> int:
         pointer = self.next
         self.sizes[pointer] = max(int(nbytes), 1)
+        self.requested[pointer] = int(nbytes)
         self.next += (max(int(nbytes), 1) + 255) // 256 * 256
         return pointer
 
     def free(self, pointer: int) -> None:
         del self.sizes[pointer]
+
+    def zero(self, pointer: int, nbytes: int) -> None:
+        assert nbytes <= self.sizes[pointer]
+        self.zeroed[pointer] = nbytes
 
 
 class FakeModule:
@@ -72,6 +79,16 @@ def test_kv_writes_go_to_their_layer_and_half(manifest):
     (binding,) = [b for b in call.buffers if b.param == "cache"]
     assert binding.index == () and ex.address(binding, dims) == kv
     assert [x for x in module.launches if x[0].startswith(call.kernel)]
+
+
+@pytest.mark.parametrize("phase", ["propose", "append_context"])
+def test_workspaces_are_zero_filled_when_allocated(manifest, phase):
+    """A kernel may keep counts in its workspace that it returns to zero itself (the warpgroup GEMM's last-block
+    k-split sum): each workspace is zero-filled once, whole, when the executor allocates it."""
+    ex, _, _, _ = _executor(manifest, phase)
+    assert ex.workspaces
+    for pointer in ex.workspaces.values():
+        assert ex.device.zeroed[pointer] == ex.device.requested[pointer]
 
 
 def test_every_launch_gets_every_pointer_and_its_sizes(manifest):

@@ -411,6 +411,7 @@ def test_gemm_mode_stages_x_through_shared_memory(spec, target, m_tile):
         "gemv_tiled_k_warps": 0,
         "gemv_tiled_n_tiles": 0,
         "gemv_wgmma": 0,
+        "gemv_wgmma_stages": 0,
     }
     plan = fit_mma_plan(spec, target, kernel.knobs)
     cuda, launch = _lower(kernel, target)
@@ -821,27 +822,32 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
 
 def test_wide_e4m3_weights_take_few_rows_on_a_warpgroup_gemm():
     """gemv_wgmma 1 (the default for wide e4m3 weights on wgmma targets): the calls of at most gemm_rows rows
-    go to a warpgroup GEMM of 16-row x tiles, one warpgroup of 64 weight rows, four slots, the e4m3 converted
-    into the wgmmas' register A fragments, no k split; 17-32 rows take two x tiles. Elsewhere the small tiled
-    kernel keeps them, and the knob is refused where there is no wgmma."""
-    for rule, spec in [
-        (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, FP8)),
-        (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096, FP8)),
-        (LinearMmaRule(), LinearSpec("matmul_fp8", 24576, 4096, FP8)),
+    go to a warpgroup GEMM of 16-row x tiles, one warpgroup of 64 weight rows, the e4m3 converted into the
+    wgmmas' register A fragments, no k split; 17-32 rows take two x tiles. Its slots: six where a call's blocks
+    fit one wave (gate_up's 384 blocks of 36 KiB, six an SM), else four (lm_head's 2,374). Elsewhere the small
+    tiled kernel keeps them, and the knob is refused where there is no wgmma."""
+    for rule, spec, stages in [
+        (LinearSiluRule(), LinearSpec("matmul_silu", 24576, 4096, FP8), 6),
+        (LinearArgmaxRule(), LinearSpec("lm_head_argmax", 151936, 4096, FP8), 4),
+        (LinearMmaRule(), LinearSpec("matmul_fp8", 24576, 4096, FP8), 6),
     ]:
         kernel = rule.apply(spec, SM90)
         assert kernel.knobs["gemv_wgmma"] == 1 and kernel.knobs["gemv_tiled_stages"] == 0, spec.name
+        assert kernel.knobs["gemv_wgmma_stages"] == stages, spec.name
         plan = few_rows_wgmma_plan(spec, SM90)
         assert (plan.warpgroups, plan.block_m, plan.stages, plan.k_splits, plan.mma_groups, plan.convert) == (
-            1, 16, 4, 1, 2, CONVERT_REGISTERS
+            1, 16, stages, 1, 2, CONVERT_REGISTERS
         )  # fmt: skip
+        assert few_rows_wgmma_plan(spec, SM90, stages=5).stages == 5
         cuda = lower_to_cuda(tvm.IRModule({kernel.name: kernel.func}), SM90)
         func = cuda.functions[kernel.name]
         few, *rest = func.launches({"m": 16})
         assert func.launches({"m": 32}) == [few, *rest]  # a second x tile, no other kernel
         assert len(rest) == int(spec.picks)  # lm_head_argmax: the merge of the blocks' picks
         assert few.grid == ("((m + 15) // 16)", str(spec.n // 64), "1") and few.block == ("32", "4", "1")
-        assert int(few.dynamic_smem) == plan.shared_bytes() == 4 * (64 * 64 + 16 * 128)
+        assert int(few.dynamic_smem) == plan.shared_bytes() == stages * (64 * 64 + 16 * 128)
+        blocks_per_sm = SM90.shared_memory_per_sm // plan.shared_bytes()
+        assert (spec.n // 64 <= blocks_per_sm * SM90.sm_count) == (stages == 6)
         body = cuda.source[slice(*kernel_bodies(cuda.source)[few.name])]
         assert f"{mma_rk_name(16)}(" in body and f"{E4M3_A_FRAGMENT}(" in body and MMA_BF16 not in body
         assert func.launches({"m": 33})[0] != few  # above gemm_rows: the GEMMs of taller tiles
@@ -849,6 +855,11 @@ def test_wide_e4m3_weights_take_few_rows_on_a_warpgroup_gemm():
         assert rule.apply(spec, SM121).knobs["gemv_wgmma"] == 0
         with pytest.raises(ScheduleError, match="gemv_wgmma=1"):
             rule.apply(spec, SM121, {"gemv_wgmma": 1})
+    # the slots knob: given, it is used; without the warpgroup GEMM it is refused
+    deep = LinearArgmaxRule().apply(LinearSpec("lm_head_argmax", 151936, 4096, FP8), SM90, {"gemv_wgmma_stages": 6})
+    assert deep.knobs["gemv_wgmma_stages"] == 6
+    with pytest.raises(ScheduleError, match="gemv_wgmma_stages=6"):
+        LinearMmaRule().apply(LinearSpec("matmul_fp8", 4096, 4096, FP8), SM90, {"gemv_wgmma_stages": 6})
     with pytest.raises(ScheduleError, match="gemv_wgmma=2"):
         LinearMmaRule().apply(LinearSpec("matmul_fp8", 24576, 4096, FP8), SM90, {"gemv_wgmma": 2})
     # bf16 weights keep the small tiled kernel by default; the knob gives them the bf16 warpgroup GEMM

@@ -17,23 +17,13 @@ from dflash_compiler.targets import SM90
 
 tvm = pytest.importorskip("tvm")
 
-from kernel_harness import assert_nvrtc_builds  # noqa: E402 - TVM
+from kernel_harness import WGMMA_PLAN, assert_nvrtc_builds  # noqa: E402 - TVM
 
 from dflash_compiler.cluster import ADD4, DIMS, SYNC  # noqa: E402
 from dflash_compiler.codegen import lower_to_cuda  # noqa: E402 - needs TVM
 from dflash_compiler.dependent_launch import kernel_bodies  # noqa: E402
 
-KNOBS = {
-    "warpgroups": 1,
-    "block_m": 128,
-    "stages": 4,
-    "k_atoms": 1,
-    "k_splits": 4,
-    "mma_groups": 1,
-    "k_reduce": 2,
-    "roles": 1,
-    "convert": 1,
-}
+KNOBS = {**WGMMA_PLAN, "k_reduce": 2}
 
 
 def test_plan_caps_the_splits_at_a_portable_cluster_and_sizes_the_tile():
@@ -50,8 +40,8 @@ def test_plan_caps_the_splits_at_a_portable_cluster_and_sizes_the_tile():
     # one split has nothing to add: reported as the merge-kernel plan, which it is
     single = fit_wgmma_plan(spec, SM90, {**KNOBS, "k_splits": 1})
     assert single.k_reduce == KERNEL_REDUCE and not single.cluster and single.reduce_bytes() == 0
-    with pytest.raises(ScheduleError, match="wgmma_k_reduce=3"):
-        fit_wgmma_plan(spec, SM90, {**KNOBS, "k_reduce": 3})
+    with pytest.raises(ScheduleError, match="wgmma_k_reduce=4"):
+        fit_wgmma_plan(spec, SM90, {**KNOBS, "k_reduce": 4})
     # four warpgroups by 256 rows of x: a 264 KiB f32 tile, whatever the slots
     with pytest.raises(ScheduleError, match=r"cluster's f32 tile .* Fix: lower wgmma_block_m"):
         fit_wgmma_plan(spec, SM90, {**KNOBS, "warpgroups": 4, "block_m": 256, "stages": 2})
