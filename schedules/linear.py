@@ -897,6 +897,9 @@ def wgmma_defaults(
     block of three warpgroups per SM: qkv 28.6 → 25.3, o_proj 20.5 → 20.6, down 43.2 → 47.9; the step 1.794 →
     1.798 ms at nb = 8 and 2.516 → 2.768 at nb = 16 (four tiles each read the weight); four splits 1.881 at
     nb = 8. So qkv's calls of 65-128 rows take such tiles on a GEMM of their own (`tall_wanted`).
+    Five slots instead of four for the three-warpgroup GEMMs of gate_up (silu) and lm_head (argmax), bf16, lost in
+    the step (H100, one run, two copies of each build alternating; µs the calls add at nb = 8, timeline): gate_up
+    376.5 / 375.9 → 379.7 / 377.6, lm_head 443.6 / 446.1 → 451.3 / 467.7; the step 1.684 / 1.693 → 1.706 / 1.711 ms.
     """
     atoms, tile_rows = spec.k // 64, tile_rows or rows
     m_tiles = -(-rows // tile_rows)  # x tiles of a call of `rows` rows (tile_rows: the tiles' rows, as given)
