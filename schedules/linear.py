@@ -704,6 +704,12 @@ class LinearMmaRule(FamilyRule):
           at nb = 1: 0.772 ms → 0.775 with eight slots for down and fc, 0.775 with both, though down's five
           calls added 98.1 → 88.6 µs to the timeline). Two weight tiles per block lost at every ring depth
           tried (o_proj FP8 7.29 → 8.79-11.35 with 3-12 slots of 4-16 k steps).
+          Six or eight slots for every narrow FP8 weight (H100, one run, two copies of each build alternating;
+          µs the calls add at nb = 1, timeline, four → six → eight): down 94.5 / 96.4 → 89.6 / 91.2 → 89.6 /
+          89.3, fc 34.7 / 34.4 → 32.7 / 33.3 → 33.3 / 31.8, ctx_kv 19.4 / 20.8 → 17.8 / 18.3 → 20.4 / 20.3, o_proj
+          and qkv unchanged at six (qkv's 384 blocks take two waves at eight: 75.0 / 76.5), while gate_up, after
+          them, took 185.1 / 184.1 → 190.9 / 187.1; the timeline's span 745.8 / 746.8 → 738.3 / 738.7 µs, but the
+          step 0.739 / 0.749 → 0.742 / 0.750 ms (0.768 at eight). As before, the step did not see it: not kept.
           More warps along k did not help the narrow FP8 weights either (H100, one run, µs at 16 rows, default →
           2-4 slots of 8 k steps and 8 warps, 2 of 16 and 16 warps): qkv 10.22 → 10.76-12.32, o_proj 7.28 →
           7.40-8.30, down 20.40 → 19.62-21.07 (the step did not see down's gain with eight slots, above);
