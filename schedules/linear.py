@@ -86,6 +86,9 @@ HALF_TILE_ROWS = 64  # the x tiles of the GEMM up to tall_rows unless tall_block
 # the shape knobs of the warpgroup GEMM of calls above mid_rows up to tall_rows (LinearMmaRule: tall_<name>)
 TALL_KNOBS = ("block_m", "warpgroups", "stages", "k_splits", "mma_groups")
 TALL_ROWS = 128  # qkv-like weights: the calls of 65-128 rows (five to eight draft blocks) take 64-row x tiles
+# how the warpgroup GEMMs' k splits add up unless knob wgmma_k_reduce says: a merge kernel (the tile's last block,
+# LAST_REDUCE, lost: linear_wgmma.last_store_macro has the figures)
+DEFAULT_K_REDUCE = KERNEL_REDUCE
 REGISTER_CONVERT_ROWS = 128  # the tallest x tile whose e4m3 weights convert in registers by default
 
 
@@ -527,7 +530,7 @@ class LinearMmaRule(FamilyRule):
         # the e4m3 conversion as the GEMM above mid_rows has it (wgmma_convert)
         convert = knobs["wgmma_convert"] or default_convert(spec, rows)
         return fit_wgmma_plan(spec, target, {**shape, "block_m": rows, "k_atoms": 1,
-                                             "k_reduce": tier_reduce(spec, target, knobs), "roles": SHARED_ROLES,
+                                             "k_reduce": tier_reduce(knobs), "roles": SHARED_ROLES,
                                              "convert": convert})  # fmt: skip
 
     def _tall_plan(
@@ -553,7 +556,7 @@ class LinearMmaRule(FamilyRule):
                 f"tall_rows={rows} rows they take. Fix: tall_block_m at most tall_rows"
             )
         convert = knobs["wgmma_convert"] or default_convert(spec, shape["block_m"])
-        plan = fit_wgmma_plan(spec, target, {**shape, "k_atoms": 1, "k_reduce": tier_reduce(spec, target, knobs),
+        plan = fit_wgmma_plan(spec, target, {**shape, "k_atoms": 1, "k_reduce": tier_reduce(knobs),
                                              "roles": SHARED_ROLES, "convert": convert})  # fmt: skip
         return rows, plan
 
@@ -917,9 +920,7 @@ def wgmma_defaults(
         shapes = fp8_shapes if spec.fp8 else ((2, 3, 1), (3, 4, 1), (4, 4, 1), (1, 4, 1))
     for order, (groups, stages, mma_groups) in enumerate(shapes):
         plan = WgmmaPlan(groups, tile_rows, stages, 1, 1, mma_groups, ITEM_BYTES[spec.weight_dtype])
-        blocks_per_sm = min(
-            target.shared_memory_per_sm // plan.shared_bytes(), target.max_threads_per_sm // plan.threads
-        )
+        blocks_per_sm = plan.blocks_per_sm(target)
         if blocks_per_sm < 1 or plan.threads > target.max_threads_per_block:
             continue
         slots = blocks_per_sm * target.sm_count
@@ -932,29 +933,16 @@ def wgmma_defaults(
             if best is None or key < best[0]:
                 best = (key, {"warpgroups": groups, "block_m": tile_rows, "stages": stages, "k_atoms": 1,
                               "k_splits": splits, "mma_groups": mma_groups,
-                              "k_reduce": default_reduce(spec, target)})  # fmt: skip
+                              "k_reduce": DEFAULT_K_REDUCE})  # fmt: skip
     if best is None:
         raise ScheduleError(f"{LinearMmaRule.name}: no warpgroup GEMM shape fits {target.name}'s shared memory")
     return {**best[1], "roles": SHARED_ROLES, "convert": default_convert(spec, tile_rows)}
 
 
-def default_reduce(spec: LinearSpec, target: Target) -> int:
-    """How the warpgroup GEMMs' k splits add up unless knob wgmma_k_reduce says: a merge kernel (KERNEL_REDUCE).
-
-    The tile's last block adding them (LAST_REDUCE, every tier; `linear_wgmma.last_store_macro`) saves the merge
-    launch but leaves one block of 128 threads a tile's whole sum at the end of the grid, and lost. H100, one run
-    of the builds between two copies of the default (bench/propose.py, ms of the step at nb = 1 / 4 / 8 / 16; µs
-    o_proj's five calls add at nb = 8, timeline): bf16 1.256 / 1.470 / 1.703 / 2.501 → 1.264 / 1.499 / 1.749 /
-    2.605, o_proj 17.5 + 2.1 (GEMM + merge) → 23.2 a call; FP8 0.747 / 0.998 / 1.328 / 2.424 → 0.748 / 1.023 /
-    1.392 / 2.528. It is correct (bench/linear.py --gemm: 566/566 checks with its odd-shape cases; bench/kernels.py
-    and the GPU tests with the knob: 43/43 and 45 passed), and stays a knob for a tuning database."""
-    return KERNEL_REDUCE
-
-
-def tier_reduce(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> int:
+def tier_reduce(knobs: Mapping[str, int]) -> int:
     """The mid and tall GEMMs' k_reduce: the tile's last block (LAST_REDUCE) where the knob wgmma_k_reduce or
-    `default_reduce` says so, else the merge kernel (clusters are the GEMM above them only)."""
-    reduce = knobs["wgmma_k_reduce"] or default_reduce(spec, target)
+    DEFAULT_K_REDUCE says so, else the merge kernel (clusters are the GEMM above them only)."""
+    reduce = knobs["wgmma_k_reduce"] or DEFAULT_K_REDUCE
     return LAST_REDUCE if reduce == LAST_REDUCE else KERNEL_REDUCE
 
 
@@ -1126,8 +1114,8 @@ def few_rows_wgmma_plan(spec: LinearSpec, target: Target, convert: int = 0, stag
     if stages:
         return plan_of(stages)
     deep = plan_of(FEW_ROWS_DEEP_STAGES)
-    per_sm = min(target.shared_memory_per_sm // deep.shared_bytes(), target.max_threads_per_sm // deep.threads)
-    return deep if -(-spec.n // deep.block_n) <= per_sm * target.sm_count else plan_of(shape["stages"])
+    one_wave = -(-spec.n // deep.block_n) <= deep.blocks_per_sm(target) * target.sm_count
+    return deep if one_wave else plan_of(shape["stages"])
 
 
 def small_tiled_plan(spec: LinearSpec, target: Target, knobs: Mapping[str, int]) -> TiledPlan:

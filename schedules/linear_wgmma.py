@@ -83,6 +83,8 @@ from .linear_argmax import pick_macro, pick_merge_macro
 from .linear_tiled import MERGE_VECTOR, merge_macro, split_sum, store_macro
 
 if TYPE_CHECKING:
+    from dflash_compiler.targets import Target
+
     from .linear import LinearSpec
 
 WARP = 32
@@ -202,6 +204,10 @@ class WgmmaPlan:
 
     def knobs(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in WGMMA_KNOBS}
+
+    def blocks_per_sm(self, target: Target) -> int:
+        """The blocks of this plan an SM of `target` holds at once, by shared memory and threads."""
+        return min(target.shared_memory_per_sm // self.shared_bytes(), target.max_threads_per_sm // self.threads)
 
 
 def raw_chunk(chunk: Any, row: Any) -> Any:
@@ -563,7 +569,15 @@ def last_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     outputs a thread (one 16-byte load a split) where n is a multiple of it, as the merge kernel does, so the
     sums are the same to the bit. The runtime zero-fills a workspace once, when it allocates it; the count a
     block found goes to the others through the first word of its slots, free once every copy has landed and
-    every wgmma has completed (each thread waited for its own before storing)."""
+    every wgmma has completed (each thread waited for its own before storing).
+
+    It saves the merge launch but leaves one block of 128 threads a tile's whole sum at the end of the grid, and
+    lost, so it is off by default (linear.DEFAULT_K_REDUCE). H100, one run of the builds between two copies of the
+    default (bench/propose.py, ms of the step at nb = 1 / 4 / 8 / 16; µs o_proj's five calls add at nb = 8,
+    timeline): bf16 1.256 / 1.470 / 1.703 / 2.501 → 1.264 / 1.499 / 1.749 / 2.605, o_proj 17.5 + 2.1 (GEMM +
+    merge) → 23.2 a call; FP8 0.747 / 0.998 / 1.328 / 2.424 → 0.748 / 1.023 / 1.392 / 2.528. It is correct
+    (bench/linear.py --gemm: 566/566 checks with its odd-shape cases; bench/kernels.py and the GPU tests with the
+    knob: 43/43 and 45 passed), and stays a knob for a tuning database."""
     from tvm.script import tirx as T
 
     n, fp8, out_dtype = spec.n, spec.fp8, spec.out_dtype
