@@ -326,13 +326,48 @@ def pick_macros(warp: int) -> PickMacros:
     return PickMacros(take, warp_reduce, block_reduce)
 
 
+PARTIALS_IN_FLIGHT = 16  # (key, rank) pairs a thread of a partials merge loads before it ranks them
+
+
+def take_partials_macro(count: int, threads: int, warp: int) -> Any:
+    """`take_partials(key, rank, part, row, tid)`: fold into (key, rank) the pairs (part[1, row, i], part[0, row,
+    i]) of i = tid, tid + threads, .. below `count`: a stage-2 thread's share of the row's partials in a `[2, m,
+    count]` float32 workspace (ranks, then keys).
+
+    Every load of a batch of up to PARTIALS_IN_FLIGHT pairs is issued before the batch is ranked, at indices
+    clamped to the last pair (taking a pair twice leaves the pick unchanged), so the loads carry no condition.
+    Ranked as they arrive, each load sat behind the branch on the one before and a thread paid one L2 round
+    trip per pair: the lm_head_argmax merge over the 2,374 blocks of the few-rows GEMM (ten pairs a thread)
+    issued its loads one at a time in the machine code."""
+    from tvm.script import tirx as T
+
+    take = pick_macros(warp).take
+    per_thread = -(-count // threads)
+    batch = min(per_thread, PARTIALS_IN_FLIGHT)
+    batches = -(-per_thread // batch)
+
+    @T.macro
+    def take_partials(key, rank, part, row, tid):
+        keys = T.sblock_alloc_buffer((batch,), "float32", scope="local")
+        ranks = T.sblock_alloc_buffer((batch,), RANK, scope="local")
+        for b in T.unroll(batches):
+            for e in T.unroll(batch):
+                i = T.meta_var(T.min((b * batch + e) * threads + tid, count - 1))
+                keys[e] = part[1, row, i]
+                ranks[e] = part[0, row, i]
+            for e in T.unroll(batch):
+                take(key, rank, keys[e], ranks[e])
+
+    return take_partials
+
+
 def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -> Any:
     """Both stages of `spec` as CUDA-scheduled TVMScript (see the module docstring).
 
     Stage 1: thread t of block (row, c) loads its `per_thread` vectors of the chunk first (16-byte loads
     where the vocabulary is a multiple of 4, so a vector is whole or past the end), then reduces them in
     index order, then the warps reduce with xor shuffles and warp 0 combines the warps' winners through
-    shared memory. Stage 2: one block per row reduces the row's partials the same way.
+    shared memory. Stage 2: one block per row reduces the row's partials the same way (take_partials_macro).
     """
     from tvm.script import tirx as T
 
@@ -340,11 +375,11 @@ def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -
     vec = 4 if vocab % 4 == 0 and chunk % (4 * threads) == 0 else 1
     per_thread = chunk // (vec * threads)
     warps, merge_warps = threads // warp, merge_threads // warp
-    per_merge = -(-chunks // merge_threads)
     floor = T.float32(float(np.finfo(np.float32).min))
     base = T.float32(float(RANK_BASE))
     picks = pick_macros(warp)
     take, block_reduce = picks.take, picks.block_reduce
+    take_partials = take_partials_macro(chunks, merge_threads, warp)
 
     @T.prim_func(s_tir=True)
     def argmax(logits_h: T.handle, ids_h: T.handle) -> None:
@@ -352,8 +387,7 @@ def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -
         m = T.int32()
         logits = T.match_buffer(logits_h, (m, vocab), LOGITS)
         ids = T.match_buffer(ids_h, (m,), IDS)
-        part_v0 = T.sblock_alloc_buffer((m, chunks), RANK)
-        part_v1 = T.sblock_alloc_buffer((m, chunks), LOGITS)
+        part = T.sblock_alloc_buffer((2, m, chunks), RANK)  # ranks, then keys (take_partials_macro)
         for row in T.thread_binding(m, thread="blockIdx.x"):
             for c in T.thread_binding(chunks, thread="blockIdx.y"):
                 for tid in T.thread_binding(threads, thread="threadIdx.x"):
@@ -380,8 +414,8 @@ def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -
                                     take(key, rank, T.max(vals[e, v], floor), T.Cast(RANK, index) - base)
                         block_reduce(key, rank, shared, tid % warp, tid // warp, warps)
                         if tid == 0:
-                            part_v0[row, c] = rank[0]
-                            part_v1[row, c] = key[0]
+                            part[0, row, c] = rank[0]
+                            part[1, row, c] = key[0]
         for row in T.thread_binding(m, thread="blockIdx.x"):
             for tid in T.thread_binding(merge_threads, thread="threadIdx.x"):
                 with T.sblock("best"):
@@ -392,10 +426,7 @@ def argmax_func(spec: ArgmaxSpec, threads: int, merge_threads: int, warp: int) -
                     shared = T.sblock_alloc_buffer((2, max(merge_warps, 1)), LOGITS, scope="shared")
                     key[0] = floor
                     rank[0] = T.float32(NO_RANK)
-                    for e in T.unroll(per_merge):
-                        c = T.meta_var(e * merge_threads + tid)
-                        if c < chunks:
-                            take(key, rank, part_v1[row, c], part_v0[row, c])
+                    take_partials(key, rank, part, row, tid)
                     block_reduce(key, rank, shared, tid % warp, tid // warp, merge_warps)
                     if tid == 0:
                         ids[row] = T.Cast(IDS, rank[0] + base)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .argmax import NO_RANK, RANK, RANK_BASE, pick_macros
+from .argmax import NO_RANK, RANK, RANK_BASE, pick_macros, take_partials_macro
 from .base import ScheduleError
 
 if TYPE_CHECKING:
@@ -132,10 +132,11 @@ def pick_merge_macro(spec: LinearSpec, plan: Any) -> Any:
 
     blocks = pick_blocks(spec, plan)
     threads = min(PICK_MERGE_THREADS, -(-blocks // WARP) * WARP)
-    warps, per_thread = threads // WARP, -(-blocks // threads)
+    warps = threads // WARP
     floor = T.float32(float(np.finfo(np.float32).min))
     base = T.float32(float(RANK_BASE))
     picks = pick_macros(WARP)
+    take_partials = take_partials_macro(blocks, threads, WARP)
 
     @T.macro
     def pick_merge(part, ids, m):
@@ -149,10 +150,7 @@ def pick_merge_macro(spec: LinearSpec, plan: Any) -> Any:
                     shared = T.sblock_alloc_buffer((2, warps), "float32", scope="shared")
                     key[0] = floor
                     rank[0] = T.float32(NO_RANK)
-                    for e in T.unroll(per_thread):
-                        b = T.meta_var(e * threads + tid)
-                        if blocks % threads == 0 or b < blocks:
-                            picks.take(key, rank, part[1, row, b], part[0, row, b])
+                    take_partials(key, rank, part, row, tid)
                     picks.block_reduce(key, rank, shared, tid % WARP, tid // WARP, warps)
                     if tid == 0:
                         ids[row] = T.Cast("int32", rank[0] + base)

@@ -145,6 +145,22 @@ def test_kernel_table(target, block_n):
     assert [p.shape for p in func.params][-1] == ("m",)
 
 
+def test_merges_issue_every_load_before_ranking():
+    """Each merge thread's share of a row's block pairs (ten at 16 rows: 2,374 blocks of 64 weight rows, 256
+    threads) is loaded before the first comparison in the machine code, not one L2 round trip per pair."""
+    pytest.importorskip("cuda.bindings")
+    from dflash_compiler.nvrtc import compile_cubin
+    from dflash_compiler.sass import kernel_opcodes
+
+    _, cuda, func = _lowered(_spec(n=151936, k=4096), SM90)
+    opcodes = kernel_opcodes(compile_cubin(cuda.source, SM90.arch))
+    for merge, pairs in ((func.kernels[1], -(-151936 // 64 // 256)), (func.kernels[3], -(-151936 // 192 // 256))):
+        code = opcodes[merge.name]
+        loads = [i for i, op in enumerate(code) if op == "LDG"]
+        assert len(loads) == 2 * pairs, (merge.name, len(loads))
+        assert loads[-1] < min(code.index("FSETP"), code.index("BRA")), merge.name
+
+
 def test_epilogue_ranks_per_row_then_per_block():
     """The warpgroup kernel: after its last wgmma wait, three shuffle rounds over the lanes that share x rows
     (xor 16, 8, 4: never 2 or 1, which hold other rows) per row a thread holds, a barrier before the
