@@ -49,8 +49,9 @@ def pick_blocks(spec: LinearSpec, plan: Any) -> int:
 
 
 def pick_macro(spec: LinearSpec, plan: Any, inactive_meet: bool = False) -> Any:
-    """A TVMScript macro `pick(scale, part, m, acc, smem, bm, bn, wn, wm, g, t, tid, active)`: the block's
-    best logit per row of x into part[:, row, bn] (module docstring). `smem` is the kernel's dynamic
+    """A TVMScript macro `pick(sc, part, m, acc, smem, bm, bn, wn, wm, g, t, tid, active)`: the block's
+    best logit per row of x into part[:, row, bn] (module docstring); FP8 logits take the row scales in the
+    thread's registers `sc` (linear_tiled.row_scales_macro). `smem` is the kernel's dynamic
     shared memory (at least `pick_bytes(plan)`), `plan` has the fields linear_tiled.store_macro reads and
     `n_warps`, `threads`. Threads not `active` write no slot; with `inactive_meet` they are threads past
     `plan.threads` that only meet the block barriers (a producer warp), and pick no row either."""
@@ -71,11 +72,11 @@ def pick_macro(spec: LinearSpec, plan: Any, inactive_meet: bool = False) -> Any:
     base = T.float32(float(RANK_BASE))
     take = pick_macros(WARP).take
 
-    def logit(value: Any, scale: Any, j: Any) -> Any:
-        return value * scale[j] if fp8 else value
+    def logit(value: Any, sc: Any, nt: int, v: int) -> Any:
+        return value * sc[nt * 2 + v] if fp8 else value
 
     @T.macro
-    def pick(scale, part, m, acc, smem, bm, bn, wn, wm, g, t, tid, active):
+    def pick(sc, part, m, acc, smem, bm, bn, wn, wm, g, t, tid, active):
         key = T.sblock_alloc_buffer((1,), "float32", scope="local")
         rank = T.sblock_alloc_buffer((1,), RANK, scope="local")
         best_key = T.sblock_alloc_buffer((held,), "float32", scope="local")
@@ -91,7 +92,7 @@ def pick_macro(spec: LinearSpec, plan: Any, inactive_meet: bool = False) -> Any:
                         value = T.meta_var(acc[(nt * m_tiles + mt) * 4 + v * 2 + h])
                         if j < n:
                             # -inf is lifted to the lowest float, as ARGMAX does
-                            take(key, rank, T.max(logit(value, scale, j), floor), T.Cast(RANK, j) - base)
+                            take(key, rank, T.max(logit(value, sc, nt, v), floor), T.Cast(RANK, j) - base)
                 # the eight lanes holding this x row: lane bits 2-4
                 for o in T.unroll(3):
                     other_key: T.let[T.float32] = T.call_extern("float32", "__shfl_xor_sync", full, key[0],

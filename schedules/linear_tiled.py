@@ -140,6 +140,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     mma = mma_m16n8k16()
     a_fragments = a_fragments_macro(fp8, n_tiles, mps)
     store = store_macro(spec, plan)
+    row_scales = row_scales_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
     picks = spec.picks
     # lm_head_argmax's epilogue, built only for it (every macro parses its source)
@@ -234,6 +235,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                 xl = T.sblock_alloc_buffer((8,), "bfloat16", scope="local")
                                 bf = T.sblock_alloc_buffer((8 * xvs,), "bfloat16", scope="local")
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
+                                sc = T.sblock_alloc_buffer((row_scale_count(plan),), "float32", scope="local")
                                 red = T.decl_buffer((max(1, k_warps - 1), n_acc, tile_warps * WARP), "float32",
                                                     data=smem.data, scope="shared.dyn")  # fmt: skip
                                 tid = T.meta_var(ty * WARP + tx)
@@ -247,6 +249,7 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                 # first copy group then holds them all, which only makes its wait stricter
                                 for s in T.unroll(stages - 1):
                                     load_w_stage(w, ws, bn, ks, tid, s, s)
+                                row_scales(scale, sc, bn, wn, tx // 4)
                                 T.evaluate(T.call_extern("void", WAIT))
                                 for s in T.unroll(stages - 1):
                                     load_x_stage(x, m, xs, bm, ks, tid, s, s)
@@ -273,9 +276,9 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
                                             for i in T.unroll(n_acc):
                                                 acc[i] = acc[i] + red[j, i, ty * WARP + tx]
                                 if picks:
-                                    pick(scale, part, m, acc, smem, bm, bn, wn, wm, tx // 4, tx % 4, tid, kw == 0)
+                                    pick(sc, part, m, acc, smem, bm, bn, wn, wm, tx // 4, tx % 4, tid, kw == 0)
                                 elif kw == 0:
-                                    store(scale, y, part, m, acc, bm, bn, ks, wn, wm, tx // 4, tx % 4)
+                                    store(sc, y, part, m, acc, bm, bn, ks, wn, wm, tx // 4, tx % 4)
         if k_splits > 1:
             merge(scale, y, part, m)
         if picks:
@@ -284,9 +287,38 @@ def tiled_body_macro(spec: LinearSpec, plan: TiledPlan) -> Any:
     return body
 
 
+def row_scale_count(plan: Any) -> int:
+    """The FP8 row scales a thread's accumulators need (`row_scales_macro`): two weight rows per 16-row tile."""
+    return 2 * plan.n_tiles
+
+
+def row_scales_macro(spec: LinearSpec, plan: Any) -> Any:
+    """A TVMScript macro `row_scales(scale, sc, bn, wn, g)`: for e4m3 weights, the row scales of the weight
+    rows a thread's accumulators hold into `sc` (local, `row_scale_count`): sc[2 nt + v] = scale[j] for row j
+    = bn · block_n + (wn · n_tiles + nt) · 16 + 8 v + g (rows past n read row n - 1); bf16 weights: nothing.
+
+    Scales are weights (no kernel writes them), so a kernel loads them with its first weight copies, before its
+    wait for inputs, and its epilogue (`store_macro`, `linear_argmax.pick_macro`) finds them in registers. Read
+    in the epilogue, after the k loop, they were one more round trip at the end of every block: in the machine
+    code of the 16-row kernels the scales' loads sat between the last mma and the stores."""
+    from tvm.script import tirx as T
+
+    n, n_tiles, bn_rows = spec.n, plan.n_tiles, plan.block_n
+
+    @T.macro
+    def row_scales(scale, sc, bn, wn, g):
+        if spec.fp8:
+            for nt in T.unroll(n_tiles):
+                for v in T.unroll(2):
+                    sc[nt * 2 + v] = scale[T.min(bn * bn_rows + (wn * n_tiles + nt) * 16 + v * 8 + g, n - 1)]
+
+    return row_scales
+
+
 def store_macro(spec: LinearSpec, plan: Any) -> Any:
-    """A TVMScript macro `store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t)`: a warp's accumulators
-    into y (FP8: times the row's scale) or, with k splits, into the f32 workspace part[:, ks].
+    """A TVMScript macro `store(sc, y, part, m, acc, bm, bn, ks, wn, wm, g, t)`: a warp's accumulators
+    into y (FP8: times the row's scale, from the thread's `row_scales_macro` registers `sc`) or, with k splits,
+    into the f32 workspace part[:, ks].
 
     `plan` has `n_tiles` 16-row weight tiles by `m_tiles` 8-row x tiles per warp, `block_n` × `block_m` per
     block and `k_splits`; accumulator (nt · m_tiles + mt) · 4 + e is mma.sync's m16n8 element e of the warp's
@@ -305,11 +337,11 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
             "split (LinearSiluRule refuses the knobs that split k)"
         )
 
-    def value(acc: Any, scale: Any, index: Any, j: Any) -> Any:
-        return acc[index] * scale[j] if fp8 else acc[index]
+    def value(acc: Any, sc: Any, index: Any, nt: int, v: int) -> Any:
+        return acc[index] * sc[nt * 2 + v] if fp8 else acc[index]
 
     @T.macro
-    def store(scale, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
+    def store(sc, y, part, m, acc, bm, bn, ks, wn, wm, g, t):
         for nt in T.unroll(n_tiles):
             for mt in T.unroll(m_tiles):
                 if silu:
@@ -317,8 +349,8 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
                         i = T.meta_var(bm * bm_rows + (wm * m_tiles + mt) * 8 + t * 2 + h)
                         tile = T.meta_var((bn * bn_rows + (wn * n_tiles + nt) * 16) // 16)
                         if i < m and tile * 16 < n:
-                            gate: T.let[T.float32] = value(acc, scale, (nt * m_tiles + mt) * 4 + h, tile * 16 + g)
-                            up: T.let[T.float32] = value(acc, scale, (nt * m_tiles + mt) * 4 + 2 + h, tile * 16 + 8 + g)
+                            gate: T.let[T.float32] = value(acc, sc, (nt * m_tiles + mt) * 4 + h, nt, 0)
+                            up: T.let[T.float32] = value(acc, sc, (nt * m_tiles + mt) * 4 + 2 + h, nt, 1)
                             y[i, tile * 8 + g] = T.Cast(out_dtype, gate / (T.float32(1) + T.exp(-gate)) * up)
                 else:
                     for e in T.unroll(4):
@@ -328,7 +360,7 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
                             if k_splits > 1:
                                 part[i, ks, j] = acc[(nt * m_tiles + mt) * 4 + e]
                             elif fp8:
-                                y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e] * scale[j])
+                                y[i, j] = T.Cast(out_dtype, value(acc, sc, (nt * m_tiles + mt) * 4 + e, nt, e // 2))
                             else:
                                 y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
 

@@ -80,7 +80,7 @@ from dflash_compiler.wgmma import (
 
 from .base import ScheduleError
 from .linear_argmax import pick_macro, pick_merge_macro
-from .linear_tiled import MERGE_VECTOR, merge_macro, split_sum, store_macro
+from .linear_tiled import MERGE_VECTOR, merge_macro, row_scale_count, row_scales_macro, split_sum, store_macro
 
 if TYPE_CHECKING:
     from dflash_compiler.targets import Target
@@ -321,6 +321,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     # and read within its step, not seeing that the wgmmas read them on after it)
     unroll = groups if registers else 1
     store = store_macro(spec, plan)
+    row_scales = row_scales_macro(spec, plan)
     merge = merge_macro(spec, k_splits)
     picks = spec.picks
     cluster = plan.cluster
@@ -511,6 +512,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                                      elem_offset=bar_elems // 4, scope="shared.dyn")  # fmt: skip
                                 acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                                 af = T.sblock_alloc_buffer((frag_elems,), "bfloat16", scope="local")
+                                sc = T.sblock_alloc_buffer((row_scale_count(plan),), "float32", scope="local")
                                 tid = T.meta_var(ty * WARP + tx)
                                 wg = T.meta_var(ty // 4)
                                 row = T.meta_var(ty * 16 + tx // 4)  # of the thread's A fragments (registers)
@@ -519,6 +521,7 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                     T.evaluate(T.call_extern("void", DIMS, 1, 1, k_splits))
                                 for i in T.unroll(n_acc):
                                     acc[i] = T.float32(0)
+                                row_scales(scale, sc, bn, ty, tx // 4)  # the store's view: warp ty's 16 rows
                                 if producer:
                                     if tid == 0:
                                         for s in T.unroll(stages):
@@ -536,15 +539,15 @@ def wgmma_body_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
                                 if cluster:
                                     cluster_store(scale, y, m, acc, smem, bm, bn, ks, ty, tx, tid)
                                 elif picks and producer:  # the producer meets the pick's block barriers only
-                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid,
+                                    pick(sc, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid,
                                          ty < plan.n_warps)  # fmt: skip
                                 elif picks:
-                                    pick(scale, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid, True)
+                                    pick(sc, part, m, acc, smem, bm, bn, ty, 0, tx // 4, tx % 4, tid, True)
                                 elif producer:  # the producer has no accumulators to store
                                     if ty < plan.n_warps:
-                                        store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
+                                        store(sc, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
                                 else:
-                                    store(scale, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
+                                    store(sc, y, part, m, acc, bm, bn, ks, ty, 0, tx // 4, tx % 4)
                                 if last:
                                     last_store(scale, y, part, m, smem, bm, bn, tid)
         if k_splits > 1 and not cluster and not last:

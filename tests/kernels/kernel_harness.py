@@ -115,13 +115,13 @@ def before_the_wait(source: str, name: str) -> tuple[str, str, set[str]]:
 
 
 def assert_only_weights_before_the_wait(
-    source: str, name: str, unwritten: frozenset[str] = frozenset({"w_ptr"})
+    source: str, name: str, unwritten: frozenset[str] = frozenset({"w_ptr", "scale_ptr"})
 ) -> None:
     """Kernel `name` of `source` waits once for its inputs (dependent_launch.py) and, before that wait,
     touches no pointer parameter but those in `unwritten` (bound to what no kernel writes: weights, graph
-    inputs the host writes; by default the weight `w`): under a dependent launch everything else may still be
-    in the making. A kernel that waits first touches nothing before it; one that lets its dependents in
-    does so after its wait."""
+    inputs the host writes; by default the weight `w` and its FP8 row scales): under a dependent launch
+    everything else may still be in the making. A kernel that waits first touches nothing before it; one that
+    lets its dependents in does so after its wait."""
     from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS
 
     body, early, touched = before_the_wait(source, name)
