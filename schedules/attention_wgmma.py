@@ -593,7 +593,10 @@ class AttentionWgmmaRule(BlockAttentionOp, FamilyRule):
     32 groups) against the default 264 (4 splits, 256 blocks of 16 groups, two per SM), µs the split kernel
     adds over five layers at nb = 8, one run: 283.6 against 294.4, the bf16 step 1.793 against 1.795 ms;
     528 (8 splits) 314.1, 1.839 ms. So an SM takes ~1.8 µs per 64-key group whatever its block count; at
-    nb = 1 (128 blocks of five groups) the reads alone take 7.2 µs and the kernel ~11.
+    nb = 1 (128 blocks of five groups) the reads alone take 7.2 µs and the kernel ~11. There the one warpgroup
+    an SM holds sets the pace: Nsight Compute (H100, nb = 1, 4,144 cached keys, the profiler's clocks at 1.49
+    GHz) put the kernel at 15.8 µs with DRAM 33 % busy, one warp per scheduler issuing every 4.9 cycles and no
+    eligible warp in 80 % of the cycles (SM active 18,100 of 23,600 cycles: ~3,700 instructions a warp).
     Nor does the kernel's own work per group set that pace. Nsight Compute (H100, nb = 4, one cold launch)
     put a warp's group at ~545 instructions, 6.8 cycles apart: 127 for the copies (20 of them reloads of kernel
     parameters, whose waits were a tenth of the loop's stalls), 121 for Q·Kᵀ (~90 building wgmma descriptors
