@@ -363,10 +363,8 @@ def store_macro(spec: LinearSpec, plan: Any) -> Any:
                         if i < m and j < n:
                             if k_splits > 1:
                                 part[i, ks, j] = acc[(nt * m_tiles + mt) * 4 + e]
-                            elif fp8:
-                                y[i, j] = T.Cast(out_dtype, value(acc, sc, (nt * m_tiles + mt) * 4 + e, nt, e // 2))
                             else:
-                                y[i, j] = T.Cast(out_dtype, acc[(nt * m_tiles + mt) * 4 + e])
+                                y[i, j] = T.Cast(out_dtype, value(acc, sc, (nt * m_tiles + mt) * 4 + e, nt, e // 2))
 
     return store
 
