@@ -10,18 +10,19 @@ context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
-`run` makes the example's random checkpoint, packs each artifact (numpy only), fills every sequence's
-cache, and measures in one process: our step (both phases replayed as CUDA graphs, GPU time between
-events), the PyTorch peer (static cache, fused projections, SDPA, the whole step in one CUDA graph) and the
-roofline (bytes one step must read ÷ the device-to-device copy bandwidth measured in the same run). It
-prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per nb, a per-kernel breakdown
-of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when each kernel of one
-replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two bundles). Given
-several bundles, `run` measures each one's variants in turn in the same process (one checkpoint, one copy
-bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two builds. Later bundles measure
-slower: on an H100 one build measured first and again third (two copies, three bundles) took 1.487 / 1.739 /
-2.482 ms and 1.497 / 1.750 / 2.509 ms at nb = 4 / 8 / 16. So give the candidate between two copies of its
-baseline (directories of different names) and compare it with both.
+`run` makes the example's random checkpoint, packs each artifact (numpy only), fills every sequence's cache,
+and measures in one process: our step (both phases replayed as one CUDA graph, as `Drafter.step` does, GPU
+time between events; also each phase as its own graph, and the host's wall time of a step through the API,
+`step` against `append_context` then `propose`), the PyTorch peer (static cache, fused projections, SDPA, the
+whole step in one CUDA graph) and the roofline (bytes one step must read ÷ the device-to-device copy bandwidth
+measured in the same run). It prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per
+nb, a per-kernel breakdown of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when
+each kernel of one replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two
+bundles). Given several bundles, `run` measures each one's variants in turn in the same process (one
+checkpoint, one copy bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two builds. Later
+bundles measure slower: on an H100 one build measured first and again third (two copies, three bundles) took
+1.487 / 1.739 / 2.482 ms and 1.497 / 1.750 / 2.509 ms at nb = 4 / 8 / 16. So give the candidate between two
+copies of its baseline (directories of different names) and compare it with both.
 Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its drafts are not
 compared.
 """
@@ -117,9 +118,9 @@ def _fill(drafter: Any, nb: int, pool: np.ndarray) -> None:
 
 
 def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = False) -> dict[str, Any]:
-    """GPU time of one step (append graph + propose graph), median of REPEATS, a per-call breakdown and, with
-    `timeline`, when each kernel of one replayed step ran (`_timeline`)."""
-    from dflash_compiler.runtime.cuda import EventTimer
+    """GPU time of one step (both phases as one CUDA graph, as `Drafter.step` replays them), median of REPEATS;
+    the same with each phase its own graph; the host's wall time of a step through the public API (`_api_ms`);
+    a per-call breakdown and, with `timeline`, when each kernel of one replayed step ran (`_timeline`)."""
     from dflash_compiler.runtime.steps import context_step, propose_step
 
     m = drafter.manifest
@@ -141,24 +142,66 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = Fals
     propose.write_input("cache_lens", step.cache_lens, drafter.stream)
     dims_a = {"ctx": nb * NEW_ROWS, "pages": kv.num_pages}
     dims_p = {"nb": nb, "blk": m.block_size, "pages": kv.num_pages, "maxp": kv.pages_per_seq}
-    append.run_graph(dims_a, drafter.stream)
-    propose.run_graph(dims_p, drafter.stream)
+    phases = [(append, dims_a), (propose, dims_p)]
+
+    def one_graph() -> None:  # what Drafter.step replays
+        drafter.graphs.run(phases, drafter.stream)
+
+    def two_graphs() -> None:  # each phase's own graph, as append_context then propose would replay them
+        append.run_graph(dims_a, drafter.stream)
+        propose.run_graph(dims_p, drafter.stream)
+
+    samples = {name: _gpu_ms(drafter, launch) for name, launch in (("one", one_graph), ("two", two_graphs))}
+    taps = [rng.standard_normal((NEW_ROWS, width), np.float32).astype(_bf16()) for _ in seqs]
+    anchors = [int(a) for a in rng.integers(0, m.weights["target.embed_tokens"].shape[0], nb)]
+    return {
+        "ms": statistics.median(samples["one"]),
+        "samples": samples["one"],
+        "two_graphs_ms": statistics.median(samples["two"]),
+        "api_ms": _api_ms(drafter, seqs, taps, positions, anchors),
+        "breakdown": _breakdown(drafter, phases),
+        "timeline": _timeline(drafter, phases) if timeline else None,
+        "anchors": propose.read_value("anchors", dims_p, np.int32, drafter.stream),
+    }
+
+
+def _gpu_ms(drafter: Any, launch: Any) -> list[float]:
+    """GPU ms of REPEATS steps queued by `launch`, each between two events, after one warm-up step."""
+    from dflash_compiler.runtime.cuda import EventTimer
+
+    launch()
     drafter.stream.synchronize()
     samples = []
     for _ in range(REPEATS):
         with EventTimer(drafter.stream.handle) as timer:
-            append.run_graph(dims_a, drafter.stream)
-            propose.run_graph(dims_p, drafter.stream)
+            launch()
         samples.append(timer.elapsed_ms())
-    phases = [(append, dims_a), (propose, dims_p)]
-    breakdown = _breakdown(drafter, phases)
-    return {
-        "ms": statistics.median(samples),
-        "samples": samples,
-        "breakdown": breakdown,
-        "timeline": _timeline(drafter, phases) if timeline else None,
-        "anchors": propose.read_value("anchors", dims_p, np.int32, drafter.stream),
+    return samples
+
+
+def _api_ms(
+    drafter: Any, seqs: list[int], taps: list[Any], positions: list[Any], anchors: list[int]
+) -> dict[str, float]:
+    """Host wall time of one step through the public API, median of REPEATS, drafts read back each time:
+    `step` (one graph) against `append_context` then `propose` (a synchronisation and per-kernel launches from
+    the host between them). The same rows are rewritten each time, so the cache lengths stay put."""
+    out = {}
+    calls = {
+        "step": lambda: drafter.step(seqs, taps, positions, seqs, anchors),
+        "append_context+propose": lambda: (
+            drafter.append_context(seqs, taps, positions),
+            drafter.propose(seqs, anchors),
+        ),
     }
+    for name, call in calls.items():
+        call()
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start) * 1e3)
+        out[name] = statistics.median(times)
+    return out
 
 
 def _breakdown(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[tuple[str, str, float]]:
@@ -210,8 +253,7 @@ def _timeline(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[di
     labels = [(p.node, p.launch.name) for phase, dims in phases for p in phase.prepared(dims)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            for phase, dims in phases:
-                phase.run_graph(dims, drafter.stream)
+            drafter.graphs.run(phases, drafter.stream)
         drafter.stream.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
@@ -551,6 +593,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{nb:>3} {ours['ms']:9.3f} {peer_ms.get(nb, float('nan')):9.3f} {roof_ms:8.3f} {gbps:7.0f} "
                 f"{100 * roof_ms / ours['ms']:6.1f}% {ours['ms'] / roof_ms:7.2f} {ratio:8.2f}"
             )
+            api = ours["api_ms"]
+            print(
+                f"    two graphs (one a phase) {ours['two_graphs_ms']:.3f} ms; through the API (host wall time, "
+                + ", ".join(f"{name} {ms:.3f} ms" for name, ms in api.items())
+                + ")"
+            )
             results["rows"].append(
                 {
                     "variant": variant,
@@ -558,6 +606,8 @@ def run(args: argparse.Namespace) -> int:
                     "precision": precision,
                     "nb": nb,
                     "ours_ms": ours["ms"],
+                    "two_graphs_ms": ours["two_graphs_ms"],
+                    "api_ms": api,
                     "torch_ms": peer_ms.get(nb),
                     "roofline_ms": roof_ms,
                     "bytes": nbytes,

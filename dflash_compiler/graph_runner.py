@@ -62,6 +62,23 @@ class GraphDrafter(PagedSequences):
             capture=self.last_values["append_context"],
         )
 
+    def step(
+        self,
+        append_ids: Sequence[int],
+        taps: Sequence[np.ndarray],
+        positions: Sequence[np.ndarray],
+        seq_ids: Sequence[int],
+        anchors: Sequence[int],
+        lengths: Sequence[int] | None = None,
+    ) -> Drafts:
+        """``append_context``, each appended sequence rolled back to ``lengths[i]`` (if given), then
+        ``propose``: the GPU runtime's one-replay step (``Drafter.step``) as the three calls it stands for."""
+        if append_ids:
+            self.append_context(append_ids, taps, positions)
+        for seq_id, length in zip(append_ids, lengths if lengths is not None else [], strict=False):
+            self.rollback(seq_id, length)
+        return self.propose(seq_ids, anchors)
+
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         """Draft ``gamma`` tokens per sequence; the anchor sits at the sequence's cached length."""
         blk = self.cfg.block_size

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,6 +38,23 @@ class DrafterLike(Protocol):
         self, seq_ids: Sequence[int], taps: Sequence[np.ndarray], positions: Sequence[np.ndarray]
     ) -> None: ...
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> DraftsLike: ...
+
+
+@runtime_checkable
+class SteppingDrafter(DrafterLike, Protocol):
+    """A drafter that also takes a whole serving step in one call: the verified rows appended, each
+    appended sequence rolled back to its kept length, then the next proposal (`Drafter.step` runs it as one
+    replay on the GPU)."""
+
+    def step(
+        self,
+        append_ids: Sequence[int],
+        taps: Sequence[np.ndarray],
+        positions: Sequence[np.ndarray],
+        seq_ids: Sequence[int],
+        anchors: Sequence[int],
+        lengths: Sequence[int] | None = None,
+    ) -> DraftsLike: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,9 @@ class Scenario:
     padded_every: int = 3  # every k-th round appends the whole verified block, then rolls back (0: never)
     replace_at: int | None = 4  # at this round, free the first live sequence and admit a new one
     replacement_prompt: int = 21
+    # each round's rows (and a new sequence's prompt) appended by the next round's `step` call, together
+    # with its proposal, instead of by `append_context` right away (the drafter must be a SteppingDrafter)
+    stepped: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,44 +156,92 @@ class ScenarioRun:
 
 
 def run_scenario(drafter: DrafterLike, cfg: DrafterConfig, scenario: Scenario) -> ScenarioRun:
+    if scenario.stepped and not isinstance(drafter, SteppingDrafter):
+        raise TypeError(
+            f"a stepped scenario drives the drafter through step(); {type(drafter).__name__} has none. Fix: "
+            "run it with Scenario(stepped=False)"
+        )
     run = ScenarioRun()
+    pending = _PendingRows()
 
     def admit(seq_id: int, prompt: int, at: int) -> None:
         script = make_script(cfg, prompt, scenario.steps - at, scenario.seed, seq_id)
         run.scripts[seq_id], run.joined[seq_id] = script, at
         drafter.create(seq_id)
-        drafter.append_context([seq_id], [script.prompt_taps], [np.arange(prompt)])
+        pending.add(seq_id, script.prompt_taps, np.arange(prompt), prompt)
+        if not scenario.stepped:
+            pending.flush(drafter)
 
     for seq_id, prompt in enumerate(scenario.prompt_lengths):
         admit(seq_id, prompt, 0)
     live = list(range(len(scenario.prompt_lengths)))
     for step in range(scenario.steps):
         if scenario.replace_at is not None and step == scenario.replace_at:
-            drafter.free(live.pop(0))
+            gone = live.pop(0)
+            pending.drop(gone)
+            drafter.free(gone)
             admit(len(run.scripts), scenario.replacement_prompt, step)
             live.append(len(run.scripts) - 1)
         rounds = [run.scripts[s].steps[run.script_step(s, step)] for s in live]
-        for s, r in zip(live, rounds, strict=True):
+        anchors = [r.anchor for r in rounds]
+        if scenario.stepped:
+            assert isinstance(drafter, SteppingDrafter)
+            ids, taps, positions, keep = pending.take()
+            drafts = drafter.step(ids, taps, positions, live, anchors, keep)
+        else:
+            drafts = drafter.propose(live, anchors)
+        for s, r in zip(live, rounds, strict=True):  # the lengths the proposal saw
             if drafter.length(s) != r.p0:
                 raise AssertionError(f"sequence {s} holds {drafter.length(s)} rows, the script expects {r.p0}")
-        drafts = drafter.propose(live, [r.anchor for r in rounds])
-        if scenario.padded_every and step % scenario.padded_every == scenario.padded_every - 1:
-            drafter.append_context(
-                live, [r.verify_taps for r in rounds], [r.p0 + np.arange(len(r.verify_taps)) for r in rounds]
-            )
-            for s, r in zip(live, rounds, strict=True):
-                drafter.rollback(s, r.p0 + r.accepted + 1)
-        else:
-            drafter.append_context(live, [r.committed_taps for r in rounds], [r.committed_positions for r in rounds])
+        padded = scenario.padded_every and step % scenario.padded_every == scenario.padded_every - 1
+        for s, r in zip(live, rounds, strict=True):
+            if padded:  # the whole verified block, rolled back to the accepted rows
+                pending.add(s, r.verify_taps, r.p0 + np.arange(len(r.verify_taps)), r.p0 + r.accepted + 1)
+            else:
+                pending.add(s, r.committed_taps, r.committed_positions, r.p0 + r.accepted + 1)
+        if not scenario.stepped:
+            pending.flush(drafter)
         run.records.append(
             StepRecord(
                 step,
                 tuple(live),
-                tuple(r.anchor for r in rounds),
+                tuple(anchors),
                 np.asarray(drafts.tokens),
                 None if drafts.confidences is None else np.asarray(drafts.confidences),
                 tuple(r.accepted for r in rounds),
                 drafts,
             )
         )
+    pending.flush(drafter)
     return run
+
+
+@dataclass
+class _PendingRows:
+    """Context rows a scenario has yet to append: per sequence its taps, positions and the length it keeps."""
+
+    rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+
+    def add(self, seq_id: int, taps: np.ndarray, positions: np.ndarray, keep: int) -> None:
+        self.rows[seq_id] = (taps, positions, keep)
+
+    def drop(self, seq_id: int) -> None:
+        self.rows.pop(seq_id, None)
+
+    def take(self) -> tuple[list[int], list[np.ndarray], list[np.ndarray], list[int]]:
+        """(sequence ids, taps, positions, kept lengths), emptied."""
+        ids = list(self.rows)
+        taps = [self.rows[s][0] for s in ids]
+        positions = [self.rows[s][1] for s in ids]
+        keep = [self.rows[s][2] for s in ids]
+        self.rows.clear()
+        return ids, taps, positions, keep
+
+    def flush(self, drafter: DrafterLike) -> None:
+        """Append them all, then roll each sequence back to what it keeps (a no-op where it keeps them all)."""
+        ids, taps, positions, keep = self.take()
+        if ids:
+            drafter.append_context(ids, taps, positions)
+        for seq_id, length in zip(ids, keep, strict=True):
+            if drafter.length(seq_id) != length:
+                drafter.rollback(seq_id, length)

@@ -8,7 +8,7 @@ cache protocol (positions, page slots, page tables) is the one the numpy graph r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from dflash_compiler.plans import numpy_dtype
 from dflash_compiler.row_blocks import cast_rows
 from dflash_compiler.runtime.cuda import Device, Module, Stream
 from dflash_compiler.runtime.device_array import DeviceArray, device_array
-from dflash_compiler.runtime.executor import PhaseExecutor
+from dflash_compiler.runtime.executor import GraphCache, PhaseExecutor
 from dflash_compiler.runtime.pages import PageAllocator, PagedSequences
 from dflash_compiler.runtime.steps import context_step, propose_step
 
@@ -73,6 +73,7 @@ class Drafter(PagedSequences):
             name: PhaseExecutor(device, self.module, plan, manifest.kernels, external)
             for name, plan in manifest.phases.items()
         }
+        self.graphs = GraphCache()  # `step`'s graphs of both phases
 
     @classmethod
     def load(
@@ -132,6 +133,53 @@ class Drafter(PagedSequences):
         bf16 device tensor (DLPack or `__cuda_array_interface__`), copied device to device. Rows beyond the
         build's `max_ctx_rows` are processed in several launches of the phase.
         """
+        for dims, _ in self._context_pieces(seq_ids, taps, positions):
+            self.phases["append_context"].run(dims, self.stream)
+        self.stream.synchronize()
+
+    def step(
+        self,
+        append_ids: Sequence[int],
+        taps: Sequence[Any],
+        positions: Sequence[Any],
+        seq_ids: Sequence[int],
+        anchors: Sequence[int],
+        lengths: Sequence[int] | None = None,
+    ) -> Drafts:
+        """`append_context(append_ids, taps, positions)`, then each appended sequence rolled back to
+        `lengths[i]` (if given: a serving engine that appended a whole verified block keeping the accepted
+        rows), then `propose(seq_ids, anchors)`, as one replay: the last context rows' launches and the
+        proposal's are one CUDA graph, with no host synchronisation or graph boundary between the phases.
+        Rows beyond `max_ctx_rows` go first, in launches of their own, as `append_context` does."""
+        self._check_proposal(seq_ids, anchors)  # before any row is appended
+        if lengths is not None and len(lengths) != len(append_ids):
+            raise ValueError(
+                f"step: expected one length per appended sequence ({len(append_ids)}), found {len(lengths)}"
+            )
+        append = self.phases["append_context"]
+        tail: list[tuple[PhaseExecutor, dict[str, int]]] = []
+        for dims, last in self._context_pieces(append_ids, taps, positions):
+            if last:
+                tail.append((append, dims))
+            else:
+                append.run(dims, self.stream)
+        for seq_id, length in zip(append_ids, lengths if lengths is not None else [], strict=False):
+            self.rollback(seq_id, length)
+        propose, dims = self._stage_proposal(seq_ids, anchors)
+        chain = [*tail, (propose, dims)]
+        if self.use_graphs:
+            self.graphs.run(chain, self.stream)
+        else:
+            for phase, phase_dims in chain:
+                phase.run(phase_dims, self.stream)
+        return self._drafts(dims, len(seq_ids))
+
+    def _context_pieces(
+        self, seq_ids: Sequence[int], taps: Sequence[Any], positions: Sequence[Any]
+    ) -> Iterator[tuple[dict[str, int], bool]]:
+        """Reserve the rows' pages, then per piece of at most `max_ctx_rows` rows write the phase's inputs
+        (queued on the stream) and yield its dims and whether it is the last piece; the caller queues the
+        piece's launches before asking for the next, whose inputs overwrite these."""
         step = context_step(self.pages, seq_ids, [np.asarray(p) for p in positions])
         phase = self.phases["append_context"]
         width = int(phase.plan.values["taps"].shape[1])
@@ -143,8 +191,7 @@ class Drafter(PagedSequences):
             self._gather_rows(phase, "taps", pieces, start, stop, width)
             phase.write_input("ctx_positions", step.positions[start:stop], self.stream)
             phase.write_input("ctx_slots", step.slots[start:stop], self.stream)
-            phase.run({"ctx": stop - start, "pages": self.manifest.kv_cache.num_pages}, self.stream)
-        self.stream.synchronize()
+            yield {"ctx": stop - start, "pages": self.manifest.kv_cache.num_pages}, stop == total
 
     @staticmethod
     def _rows(value: Any, width: int, what: str) -> np.ndarray | DeviceArray:
@@ -193,10 +240,17 @@ class Drafter(PagedSequences):
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         """Draft `block_size - 1` tokens per sequence; the anchor sits at the sequence's cached length."""
-        nb = len(seq_ids)
+        phase, dims = self._stage_proposal(seq_ids, anchors)
+        if self.use_graphs:
+            phase.run_graph(dims, self.stream)
+        else:
+            phase.run(dims, self.stream)
+        return self._drafts(dims, len(seq_ids))
+
+    def _stage_proposal(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> tuple[PhaseExecutor, dict[str, int]]:
+        """Write a proposal's inputs (queued on the stream); the propose phase and its dims."""
+        self._check_proposal(seq_ids, anchors)
         kv = self.manifest.kv_cache
-        if not 1 <= nb <= self.manifest.options.max_batch:
-            raise ValueError(f"propose takes 1 to {self.manifest.options.max_batch} sequences, got {nb}")
         blk = self.manifest.block_size
         step = propose_step(self.pages, seq_ids, blk, kv.pages_per_seq)
         phase = self.phases["propose"]
@@ -204,19 +258,27 @@ class Drafter(PagedSequences):
         phase.write_input("blk_positions", step.positions, self.stream)
         phase.write_input("block_table", step.block_table, self.stream)
         phase.write_input("cache_lens", step.cache_lens, self.stream)
-        dims = {"nb": nb, "blk": blk, "pages": kv.num_pages, "maxp": kv.pages_per_seq}
-        if self.use_graphs:
-            phase.run_graph(dims, self.stream)
-        else:
-            phase.run(dims, self.stream)
+        return phase, {"nb": len(seq_ids), "blk": blk, "pages": kv.num_pages, "maxp": kv.pages_per_seq}
+
+    def _check_proposal(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> None:
+        nb = len(seq_ids)
+        if not 1 <= nb <= self.manifest.options.max_batch:
+            raise ValueError(f"propose takes 1 to {self.manifest.options.max_batch} sequences, got {nb}")
+        if len(anchors) != nb:
+            raise ValueError(f"propose: expected one anchor per sequence ({nb}), found {len(anchors)}")
+
+    def _drafts(self, dims: Mapping[str, int], nb: int) -> Drafts:
+        """The proposal's outputs, once the stream has computed them."""
+        phase = self.phases["propose"]
         outputs = dict(phase.plan.outputs)
         tokens = phase.read_value(outputs["tokens"], dims, np.int32, self.stream)
         conf = None
         if "confidences" in outputs:
-            conf = phase.read_value(outputs["confidences"], dims, np.float32, self.stream).reshape(nb, blk - 1)
-        return Drafts(tokens.reshape(nb, blk - 1), conf)
+            conf = phase.read_value(outputs["confidences"], dims, np.float32, self.stream).reshape(nb, dims["blk"] - 1)
+        return Drafts(tokens.reshape(nb, dims["blk"] - 1), conf)
 
     def close(self) -> None:
+        self.graphs.close()
         for phase in self.phases.values():
             phase.close()
         for pointer in self._owned:

@@ -8,7 +8,7 @@ actual dims, from which every kernel's sizes, launch extents and scalar argument
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,7 @@ class PhaseExecutor:
             for ws in fn.workspaces
         }
         self._prepared: dict[tuple[tuple[str, int], ...], list[PreparedLaunch]] = {}
-        self._graphs: dict[tuple[tuple[str, int], ...], CudaGraph] = {}
+        self._graphs = GraphCache()
 
     # buffers ------------------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:
@@ -134,28 +134,51 @@ class PhaseExecutor:
             self._prepared[key] = out
         return self._prepared[key]
 
-    def run(self, dims: Mapping[str, int], stream: Stream | None = None) -> None:
-        handle = 0 if stream is None else stream.handle
+    def record(self, dims: Mapping[str, int], handle: Any) -> None:
+        """Launch the sequence for `dims` on stream `handle` (a capture records it into a graph)."""
         for p in self.prepared(dims):
             self.module.launch(p.launch, p.pointers, p.env, handle)
 
+    def run(self, dims: Mapping[str, int], stream: Stream | None = None) -> None:
+        self.record(dims, 0 if stream is None else stream.handle)
+
     def run_graph(self, dims: Mapping[str, int], stream: Stream) -> None:
         """Replay the launch sequence for `dims` as a CUDA graph (captured on first use)."""
-        key = tuple(sorted(dims.items()))
+        self._graphs.run([(self, dims)], stream)
+
+    def close(self) -> None:
+        self._graphs.close()
+        for pointer in self._owned:
+            self.device.free(pointer)
+        self._owned.clear()
+
+
+class GraphCache:
+    """CUDA graphs of phase launch sequences run back to back, captured on first use of each combination of
+    phases and dims and replayed after. A chain of several phases is one graph: its first kernel follows the
+    previous phase's last one on the GPU (as a dependent launch where the module launches so) with no host
+    step or graph boundary between them."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[tuple[int, tuple[tuple[str, int], ...]], ...], CudaGraph] = {}
+
+    def run(self, chain: Sequence[tuple[PhaseExecutor, Mapping[str, int]]], stream: Stream) -> None:
+        # keyed by the executors themselves: two drafters' phases of one name own different buffers
+        key = tuple((id(phase), tuple(sorted(dims.items()))) for phase, dims in chain)
         if key not in self._graphs:
-            launches = self.prepared(dims)
 
             def record(handle: Any) -> None:
-                for p in launches:
-                    self.module.launch(p.launch, p.pointers, p.env, handle)
+                for phase, dims in chain:
+                    phase.record(dims, handle)
 
             self._graphs[key] = CudaGraph(stream, record)
         self._graphs[key].launch(stream)
+
+    def __len__(self) -> int:
+        """Graphs captured so far."""
+        return len(self._graphs)
 
     def close(self) -> None:
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
-        for pointer in self._owned:
-            self.device.free(pointer)
-        self._owned.clear()

@@ -10,6 +10,7 @@ plain launches must give identical drafts.
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,15 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     plain.close()
     for a, b in zip(first.run.records, second.records, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"graph vs plain, step {a.step}")
+
+    # each round's rows appended by the next round's step: one graph of both phases, rollbacks inside it
+    stepped = Drafter.load(artifact, use_graphs=True, device=graphed.device)
+    third = run_scenario(stepped, cfg, replace(scenario, stepped=True))
+    captured = len(stepped.graphs)
+    stepped.close()
+    assert captured >= 2, f"step() captured {captured} graphs over {len(third.records)} rounds"
+    for a, b in zip(first.run.records, third.records, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"separate phases vs step(), step {a.step}")
 
 
 def test_target_tensors_are_borrowed_zero_copy(artifact_dir, tmp_path):

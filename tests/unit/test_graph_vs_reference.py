@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from pass_harness import TINY, tiny
@@ -61,3 +63,49 @@ def test_drafts_are_not_degenerate():
         records = _reference_records(tiny(name))
         tokens = np.concatenate([r.tokens.reshape(-1) for r in records])
         assert len(np.unique(tokens)) >= 20, name
+
+
+class _CountingSteps(GraphDrafter):
+    """Counts the calls a stepped scenario makes of each entry point."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"step": 0, "append_context": 0, "propose": 0}
+
+    def step(self, *args, **kwargs):
+        self.calls["step"] += 1
+        return super().step(*args, **kwargs)
+
+    def append_context(self, *args, **kwargs):
+        self.calls["append_context"] += 1
+        return super().append_context(*args, **kwargs)
+
+    def propose(self, *args, **kwargs):
+        self.calls["propose"] += 1
+        return super().propose(*args, **kwargs)
+
+
+def test_stepped_scenario_matches_reference():
+    """Each round's rows appended by the next round's step (padded rounds rolled back inside it, a new
+    sequence's prompt with the others' rows) give the reference's drafts, which append right away."""
+    t = tiny(TINY[0])
+    drafter = _CountingSteps(t.program, t.tensors, num_pages=64, max_seq_len=512)
+    stepped = replace(SCENARIO, stepped=True)
+    got = run_scenario(drafter, t.config, stepped).records
+    _assert_same(_reference_records(t), got)
+    # every proposal went through step; append_context ran inside those steps and once to flush the last rows
+    assert drafter.calls == {"step": SCENARIO.steps, "append_context": SCENARIO.steps + 1, "propose": SCENARIO.steps}
+
+
+def test_stepped_scenario_needs_a_stepping_drafter():
+    t = tiny(TINY[0])
+    ref = BatchedReference(
+        ReferenceDrafter(
+            t.config,
+            {k: v for k, v in t.tensors.items() if not k.startswith("target.")},
+            t.tensors["target.embed_tokens"],
+            t.tensors["target.lm_head"],
+        )
+    )
+    with pytest.raises(TypeError, match=r"has none\. Fix: run it with Scenario"):
+        run_scenario(ref, t.config, replace(SCENARIO, stepped=True))
