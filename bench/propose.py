@@ -185,9 +185,11 @@ def _api_ms(
     """Host wall time of one step through the public API, median of REPEATS, drafts read back each time:
     `step` (one graph) against `append_context` then `propose` (a synchronisation and per-kernel launches from
     the host between them). The same rows are rewritten each time, so the cache lengths stay put."""
+    from dflash_compiler.protocol import ContextRows
+
     out = {}
     calls = {
-        "step": lambda: drafter.step(seqs, taps, positions, seqs, anchors),
+        "step": lambda: drafter.step(ContextRows(seqs, taps, positions), seqs, anchors),
         "append_context+propose": lambda: (
             drafter.append_context(seqs, taps, positions),
             drafter.propose(seqs, anchors),

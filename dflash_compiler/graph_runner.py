@@ -16,6 +16,7 @@ from dflash_compiler.ir.graph import eval_dim
 from dflash_compiler.ir.interpret import interpret
 from dflash_compiler.ir.weights import WeightCache
 from dflash_compiler.lower import PAGE_SIZE, Program
+from dflash_compiler.protocol import ContextRows
 from dflash_compiler.runtime.pages import PageAllocator, PagedSequences
 from dflash_compiler.runtime.steps import context_step, propose_step
 
@@ -62,21 +63,12 @@ class GraphDrafter(PagedSequences):
             capture=self.last_values["append_context"],
         )
 
-    def step(
-        self,
-        append_ids: Sequence[int],
-        taps: Sequence[np.ndarray],
-        positions: Sequence[np.ndarray],
-        seq_ids: Sequence[int],
-        anchors: Sequence[int],
-        lengths: Sequence[int] | None = None,
-    ) -> Drafts:
-        """``append_context``, each appended sequence rolled back to ``lengths[i]`` (if given), then
-        ``propose``: the GPU runtime's one-replay step (``Drafter.step``) as the three calls it stands for."""
-        if append_ids:
-            self.append_context(append_ids, taps, positions)
-        for seq_id, length in zip(append_ids, lengths if lengths is not None else [], strict=False):
-            self.rollback(seq_id, length)
+    def step(self, rows: ContextRows, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
+        """``append_context`` of ``rows``, their rollbacks, then ``propose``: the GPU runtime's one-replay step
+        (``Drafter.step``) as the calls it stands for."""
+        if rows.seq_ids:
+            self.append_context(rows.seq_ids, rows.taps, rows.positions)
+        rows.roll_back(self)
         return self.propose(seq_ids, anchors)
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:

@@ -40,21 +40,40 @@ class DrafterLike(Protocol):
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> DraftsLike: ...
 
 
+@dataclass(frozen=True)
+class ContextRows:
+    """New context rows of some sequences, as `append_context` takes them (`taps[i]` at `positions[i]` of
+    sequence `seq_ids[i]`), and the rows each of those sequences keeps once they are appended: `lengths[i]`
+    (a serving engine that appended a whole verified block keeps the accepted rows), or all (None)."""
+
+    seq_ids: Sequence[int]
+    taps: Sequence[Any]
+    positions: Sequence[Any]
+    lengths: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        counts = {"taps": len(self.taps), "positions": len(self.positions)}
+        if self.lengths is not None:
+            counts["lengths"] = len(self.lengths)
+        for name, count in counts.items():
+            if count != len(self.seq_ids):
+                raise ValueError(
+                    f"ContextRows: expected one entry of {name} per sequence ({len(self.seq_ids)}), found {count}"
+                )
+
+    def roll_back(self, drafter: DrafterLike) -> None:
+        """Each sequence back to the rows it keeps (after the rows were appended)."""
+        for seq_id, length in zip(self.seq_ids, self.lengths or (), strict=False):
+            if drafter.length(seq_id) != length:
+                drafter.rollback(seq_id, length)
+
+
 @runtime_checkable
 class SteppingDrafter(DrafterLike, Protocol):
-    """A drafter that also takes a whole serving step in one call: the verified rows appended, each
-    appended sequence rolled back to its kept length, then the next proposal (`Drafter.step` runs it as one
-    replay on the GPU)."""
+    """A drafter that also takes a whole serving step in one call: `rows` appended and rolled back to what
+    they keep, then the proposal of `seq_ids` (`Drafter.step` runs it as one replay on the GPU)."""
 
-    def step(
-        self,
-        append_ids: Sequence[int],
-        taps: Sequence[np.ndarray],
-        positions: Sequence[np.ndarray],
-        seq_ids: Sequence[int],
-        anchors: Sequence[int],
-        lengths: Sequence[int] | None = None,
-    ) -> DraftsLike: ...
+    def step(self, rows: ContextRows, seq_ids: Sequence[int], anchors: Sequence[int]) -> DraftsLike: ...
 
 
 @dataclass(frozen=True)
@@ -186,8 +205,7 @@ def run_scenario(drafter: DrafterLike, cfg: DrafterConfig, scenario: Scenario) -
         anchors = [r.anchor for r in rounds]
         if scenario.stepped:
             assert isinstance(drafter, SteppingDrafter)
-            ids, taps, positions, keep = pending.take()
-            drafts = drafter.step(ids, taps, positions, live, anchors, keep)
+            drafts = drafter.step(pending.take(), live, anchors)
         else:
             drafts = drafter.propose(live, anchors)
         for s, r in zip(live, rounds, strict=True):  # the lengths the proposal saw
@@ -228,20 +246,18 @@ class _PendingRows:
     def drop(self, seq_id: int) -> None:
         self.rows.pop(seq_id, None)
 
-    def take(self) -> tuple[list[int], list[np.ndarray], list[np.ndarray], list[int]]:
-        """(sequence ids, taps, positions, kept lengths), emptied."""
+    def take(self) -> ContextRows:
+        """All of them, emptied."""
         ids = list(self.rows)
-        taps = [self.rows[s][0] for s in ids]
-        positions = [self.rows[s][1] for s in ids]
-        keep = [self.rows[s][2] for s in ids]
+        rows = ContextRows(
+            ids, [self.rows[s][0] for s in ids], [self.rows[s][1] for s in ids], [self.rows[s][2] for s in ids]
+        )
         self.rows.clear()
-        return ids, taps, positions, keep
+        return rows
 
     def flush(self, drafter: DrafterLike) -> None:
-        """Append them all, then roll each sequence back to what it keeps (a no-op where it keeps them all)."""
-        ids, taps, positions, keep = self.take()
-        if ids:
-            drafter.append_context(ids, taps, positions)
-        for seq_id, length in zip(ids, keep, strict=True):
-            if drafter.length(seq_id) != length:
-                drafter.rollback(seq_id, length)
+        """Append them all, then roll each sequence back to what it keeps."""
+        rows = self.take()
+        if rows.seq_ids:
+            drafter.append_context(rows.seq_ids, rows.taps, rows.positions)
+        rows.roll_back(drafter)

@@ -26,6 +26,7 @@ from dflash_compiler.artifact import (
     verify_files,
 )
 from dflash_compiler.plans import numpy_dtype
+from dflash_compiler.protocol import ContextRows
 from dflash_compiler.row_blocks import cast_rows
 from dflash_compiler.runtime.cuda import Device, Module, Stream
 from dflash_compiler.runtime.device_array import DeviceArray, device_array
@@ -137,34 +138,20 @@ class Drafter(PagedSequences):
             self.phases["append_context"].run(dims, self.stream)
         self.stream.synchronize()
 
-    def step(
-        self,
-        append_ids: Sequence[int],
-        taps: Sequence[Any],
-        positions: Sequence[Any],
-        seq_ids: Sequence[int],
-        anchors: Sequence[int],
-        lengths: Sequence[int] | None = None,
-    ) -> Drafts:
-        """`append_context(append_ids, taps, positions)`, then each appended sequence rolled back to
-        `lengths[i]` (if given: a serving engine that appended a whole verified block keeping the accepted
-        rows), then `propose(seq_ids, anchors)`, as one replay: the last context rows' launches and the
-        proposal's are one CUDA graph, with no host synchronisation or graph boundary between the phases.
-        Rows beyond `max_ctx_rows` go first, in launches of their own, as `append_context` does."""
+    def step(self, rows: ContextRows, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
+        """`append_context` of `rows`, each of their sequences rolled back to the rows it keeps, then
+        `propose(seq_ids, anchors)`, as one replay: the last context rows' launches and the proposal's are one
+        CUDA graph, with no host synchronisation or graph boundary between the phases. Rows beyond
+        `max_ctx_rows` go first, in launches of their own, as `append_context` does."""
         self._check_proposal(seq_ids, anchors)  # before any row is appended
-        if lengths is not None and len(lengths) != len(append_ids):
-            raise ValueError(
-                f"step: expected one length per appended sequence ({len(append_ids)}), found {len(lengths)}"
-            )
         append = self.phases["append_context"]
         tail: list[tuple[PhaseExecutor, dict[str, int]]] = []
-        for dims, last in self._context_pieces(append_ids, taps, positions):
+        for dims, last in self._context_pieces(rows.seq_ids, rows.taps, rows.positions):
             if last:
                 tail.append((append, dims))
             else:
                 append.run(dims, self.stream)
-        for seq_id, length in zip(append_ids, lengths if lengths is not None else [], strict=False):
-            self.rollback(seq_id, length)
+        rows.roll_back(self)
         propose, dims = self._stage_proposal(seq_ids, anchors)
         chain = [*tail, (propose, dims)]
         if self.use_graphs:

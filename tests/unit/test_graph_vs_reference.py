@@ -10,7 +10,7 @@ from pass_harness import TINY, tiny
 
 from dflash_compiler.graph_runner import GraphDrafter
 from dflash_compiler.options import BuildOptions
-from dflash_compiler.protocol import Scenario, run_scenario
+from dflash_compiler.protocol import ContextRows, Scenario, run_scenario
 from dflash_compiler.reference import BatchedReference, ReferenceDrafter
 
 SCENARIO = Scenario(prompt_lengths=(5, 17, 30, 3), steps=12, seed=7)
@@ -109,3 +109,12 @@ def test_stepped_scenario_needs_a_stepping_drafter():
     )
     with pytest.raises(TypeError, match=r"has none\. Fix: run it with Scenario"):
         run_scenario(ref, t.config, replace(SCENARIO, stepped=True))
+
+
+def test_context_rows_need_one_entry_per_sequence():
+    taps = [np.zeros((1, 4), np.float32)] * 2
+    ContextRows([0, 1], taps, [np.arange(1)] * 2, lengths=[1, 1])  # consistent
+    with pytest.raises(ValueError, match=r"one entry of lengths per sequence \(2\), found 1"):
+        ContextRows([0, 1], taps, [np.arange(1)] * 2, lengths=[1])
+    with pytest.raises(ValueError, match=r"one entry of taps per sequence \(2\), found 1"):
+        ContextRows([0, 1], taps[:1], [np.arange(1)] * 2)
