@@ -142,7 +142,11 @@ class Drafter(PagedSequences):
         """`append_context` of `rows`, each of their sequences rolled back to the rows it keeps, then
         `propose(seq_ids, anchors)`, as one replay: the last context rows' launches and the proposal's are one
         CUDA graph, with no host synchronisation or graph boundary between the phases. Rows beyond
-        `max_ctx_rows` go first, in launches of their own, as `append_context` does."""
+        `max_ctx_rows` go first, in launches of their own, as `append_context` does.
+
+        Host wall time of one Qwen3-8B drafter step on an H100 (bench/propose.py: 7 new rows a sequence,
+        4096 cached, drafts read back), `append_context` then `propose` → `step`: bf16 2.014 → 1.505 ms at
+        nb = 1 and 4.370 → 2.905 at nb = 8, FP8 1.848 → 1.147 and 3.224 → 2.328 ms."""
         self._check_proposal(seq_ids, anchors)  # before any row is appended
         append = self.phases["append_context"]
         tail: list[tuple[PhaseExecutor, dict[str, int]]] = []
