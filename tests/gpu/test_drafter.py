@@ -4,7 +4,8 @@ Artifacts are compiled on the build box without weights (`dflash-compile compile
 sm_90 -o DIR`) and passed with `--artifact DIR`. Here the example's random checkpoint is generated, packed
 into a copy of the artifact (numpy only), and the drafter runs >= 20 steps with 4 sequences of different
 lengths, padded verify rows rolled back, and a sequence freed and replaced (page reuse). CUDA-graph and
-plain launches must give identical drafts.
+plain launches, and each round's rows appended by the next round's `Drafter.step` (one graph of both phases),
+must give identical drafts.
 """
 
 from __future__ import annotations
