@@ -66,9 +66,7 @@ class GraphDrafter(PagedSequences):
     def step(self, rows: ContextRows, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         """``append_context`` of ``rows``, their rollbacks, then ``propose``: the GPU runtime's one-replay step
         (``Drafter.step``) as the calls it stands for."""
-        if rows.seq_ids:
-            self.append_context(rows.seq_ids, rows.taps, rows.positions)
-        rows.roll_back(self)
+        rows.append_to(self)
         return self.propose(seq_ids, anchors)
 
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:

@@ -61,6 +61,12 @@ class ContextRows:
                     f"ContextRows: expected one entry of {name} per sequence ({len(self.seq_ids)}), found {count}"
                 )
 
+    def append_to(self, drafter: DrafterLike) -> None:
+        """`append_context` of the rows, then each sequence rolled back to the rows it keeps."""
+        if self.seq_ids:
+            drafter.append_context(self.seq_ids, self.taps, self.positions)
+        self.roll_back(drafter)
+
     def roll_back(self, drafter: DrafterLike) -> None:
         """Each sequence back to the rows it keeps (after the rows were appended)."""
         for seq_id, length in zip(self.seq_ids, self.lengths or (), strict=False):
@@ -257,7 +263,4 @@ class _PendingRows:
 
     def flush(self, drafter: DrafterLike) -> None:
         """Append them all, then roll each sequence back to what it keeps."""
-        rows = self.take()
-        if rows.seq_ids:
-            drafter.append_context(rows.seq_ids, rows.taps, rows.positions)
-        rows.roll_back(drafter)
+        self.take().append_to(drafter)

@@ -16,15 +16,19 @@ from dflash_compiler.reference import BatchedReference, ReferenceDrafter
 SCENARIO = Scenario(prompt_lengths=(5, 17, 30, 3), steps=12, seed=7)
 
 
-def _reference_records(t):
-    ref = ReferenceDrafter(
-        t.config,
-        {k: v for k, v in t.tensors.items() if not k.startswith("target.")},
-        t.tensors["target.embed_tokens"],
-        t.tensors["target.lm_head"],
+def _reference(t):
+    return BatchedReference(
+        ReferenceDrafter(
+            t.config,
+            {k: v for k, v in t.tensors.items() if not k.startswith("target.")},
+            t.tensors["target.embed_tokens"],
+            t.tensors["target.lm_head"],
+        )
     )
-    cfg = t.config
-    return run_scenario(BatchedReference(ref), cfg, SCENARIO).records
+
+
+def _reference_records(t):
+    return run_scenario(_reference(t), t.config, SCENARIO).records
 
 
 def _graph_records(t, program):
@@ -99,16 +103,8 @@ def test_stepped_scenario_matches_reference():
 
 def test_stepped_scenario_needs_a_stepping_drafter():
     t = tiny(TINY[0])
-    ref = BatchedReference(
-        ReferenceDrafter(
-            t.config,
-            {k: v for k, v in t.tensors.items() if not k.startswith("target.")},
-            t.tensors["target.embed_tokens"],
-            t.tensors["target.lm_head"],
-        )
-    )
     with pytest.raises(TypeError, match=r"has none\. Fix: run it with Scenario"):
-        run_scenario(ref, t.config, replace(SCENARIO, stepped=True))
+        run_scenario(_reference(t), t.config, replace(SCENARIO, stepped=True))
 
 
 def test_context_rows_need_one_entry_per_sequence():
