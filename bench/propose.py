@@ -10,19 +10,20 @@ context rows already cached, for nb ∈ {1, 4, 8, 16} sequences of the Qwen3-8B-
     # GPU box (numpy, ml_dtypes, pydantic, cuda-python, torch for the peer)
     PYTHONPATH=. python bench/propose.py run build/propose --json build/propose/results.json
 
-`run` makes the example's random checkpoint, packs each artifact (numpy only), fills every sequence's cache,
-and measures in one process: our step (both phases replayed as one CUDA graph, as `Drafter.step` does, GPU
-time between events; also each phase as its own graph, and the host's wall time of a step through the API,
-`step` against `append_context` then `propose`), the PyTorch peer (static cache, fused projections, SDPA, the
-whole step in one CUDA graph) and the roofline (bytes one step must read ÷ the device-to-device copy bandwidth
-measured in the same run). It prints ms (median of >= 30), GB/s, % of roofline and the ratio to PyTorch per
-nb, a per-kernel breakdown of our step, and with `--timeline NB...` (torch.profiler, so torch is needed) when
-each kernel of one replayed step ran. `--batches NB...` measures only those nb (a profiler run, an A/B of two
-bundles). Given several bundles, `run` measures each one's variants in turn in the same process (one
-checkpoint, one copy bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two builds. Later
-bundles measure slower: on an H100 one build measured first and again third (two copies, three bundles) took
-1.487 / 1.739 / 2.482 ms and 1.497 / 1.750 / 2.509 ms at nb = 4 / 8 / 16. So give the candidate between two
-copies of its baseline (directories of different names) and compare it with both.
+`run` makes the example's random checkpoint, packs each artifact (numpy only), fills every sequence's cache, and
+measures in one process: our step (both phases replayed as one CUDA graph, as `Drafter.step` does, GPU time
+between events, each step queued whole behind a host gate so that submitting it is not timed; also each phase as
+its own graph, and the host's wall time of a step through the API, `step` against `append_context` then
+`propose`, first calls with their graph captures apart), the PyTorch peer (static cache, fused projections, SDPA,
+the whole step in one CUDA graph, timed behind the same gate) and the roofline (bytes one step must read ÷ the
+device-to-device copy bandwidth measured in the same run). It prints ms (median of >= 30), GB/s, % of roofline
+and the ratio to PyTorch per nb, a per-kernel breakdown of our step, and with `--timeline NB...` (torch.profiler,
+so torch is needed) when each kernel of one replayed step ran. `--batches NB...` measures only those nb (a
+profiler run, an A/B of two bundles). Given several bundles, `run` measures each one's variants in turn in the
+same process (one checkpoint, one copy bandwidth, one PyTorch peer), labelled by bundle directory: an A/B of two
+builds. Later bundles measure slower: on an H100 one build measured first and again third (two copies, three
+bundles) took 1.487 / 1.739 / 2.482 ms and 1.497 / 1.750 / 2.509 ms at nb = 4 / 8 / 16. So give the candidate
+between two copies of its baseline (directories of different names) and compare it with both.
 Correctness is the GPU tests' job (tests/gpu): the peer's cache holds random rows, so its drafts are not
 compared.
 """
@@ -47,6 +48,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.torch_peer import TorchPeer, torch_weights  # noqa: E402  (the repository root is on the path now)
 
 EXAMPLE = "qwen3-8b-dflash-b16"
 BATCHES = (1, 4, 8, 16)
@@ -148,8 +151,8 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = Fals
         drafter.graphs.run(phases, drafter.stream)
 
     def two_graphs() -> None:  # each phase's own graph, as append_context then propose would replay them
-        append.run_graph(dims_a, drafter.stream)
-        propose.run_graph(dims_p, drafter.stream)
+        drafter.graphs.run(phases[:1], drafter.stream)
+        drafter.graphs.run(phases[1:], drafter.stream)
 
     samples = {name: _gpu_ms(drafter, launch) for name, launch in (("one", one_graph), ("two", two_graphs))}
     taps = [rng.standard_normal((NEW_ROWS, width), np.float32).astype(_bf16()) for _ in seqs]
@@ -166,16 +169,19 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = Fals
 
 
 def _gpu_ms(drafter: Any, launch: Any) -> list[float]:
-    """GPU ms of REPEATS steps queued by `launch`, each between two events, after one warm-up step."""
-    from dflash_compiler.runtime.cuda import EventTimer
+    """GPU ms of REPEATS steps queued by `launch`, each between two events, after one warm-up step. Each step is
+    queued whole behind a host gate (`HostGate`) before the GPU may start it, so the host's time to submit it
+    (a graph launch from Python) is not in the figure."""
+    from dflash_compiler.runtime.cuda import EventTimer, HostGate
 
     launch()
     drafter.stream.synchronize()
     samples = []
-    for _ in range(REPEATS):
-        with EventTimer(drafter.stream.handle) as timer:
-            launch()
-        samples.append(timer.elapsed_ms())
+    with HostGate() as gate:
+        for _ in range(REPEATS):
+            with gate.held(drafter.stream.handle), EventTimer(drafter.stream.handle) as timer:
+                launch()
+            samples.append(timer.elapsed_ms())
     return samples
 
 
@@ -184,7 +190,8 @@ def _api_ms(
 ) -> dict[str, float]:
     """Host wall time of one step through the public API, median of REPEATS, drafts read back each time:
     `step` (one graph) against `append_context` then `propose` (a synchronisation and per-kernel launches from
-    the host between them). The same rows are rewritten each time, so the cache lengths stay put."""
+    the host between them); and of each one's first call, which captures its graphs. The same rows are
+    rewritten each time, so the cache lengths stay put."""
     from dflash_compiler.protocol import ContextRows
 
     out = {}
@@ -195,8 +202,11 @@ def _api_ms(
             drafter.propose(seqs, anchors),
         ),
     }
+    drafter.graphs.close()  # the first step then captures its graph, as a new (rows, sequences) combination does
     for name, call in calls.items():
+        start = time.perf_counter()
         call()
+        out[f"{name} (first)"] = (time.perf_counter() - start) * 1e3
         times = []
         for _ in range(REPEATS):
             start = time.perf_counter()
@@ -209,13 +219,10 @@ def _api_ms(
 def _breakdown(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[tuple[str, str, float]]:
     """(node, kernel, µs) of every launch, median of 10 rounds: plain launches one after the other with an
     event between each two (events inside a captured graph cannot be timed). Each round is queued whole
-    behind a stream wait on a host flag before the GPU may start, so host launch latency (Python, tens of
-    µs per launch) never shows up as GPU time."""
-    import ctypes
-
+    behind a host gate, so host launch latency (Python, tens of µs per launch) never shows up as GPU time."""
     from cuda.bindings import driver as cu
 
-    from dflash_compiler.runtime.cuda import check
+    from dflash_compiler.runtime.cuda import HostGate, check
 
     launches, labels = [], []
     for phase, dims in phases:
@@ -223,25 +230,21 @@ def _breakdown(drafter: Any, phases: list[tuple[Any, dict[str, int]]]) -> list[t
             launches.append((phase, p))
             labels.append((p.node, p.launch.name))
     events = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(len(launches) + 1)]
-    host = check(cu.cuMemHostAlloc(4, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
-    flag = ctypes.c_uint32.from_address(int(host))
-    flag_dev = check(cu.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer")
     handle = drafter.stream.handle
-    geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
     per: list[list[float]] = [[] for _ in labels]
-    for round_ in range(1, 11):
-        check(cu.cuStreamWaitValue32(handle, flag_dev, round_, geq), "cuStreamWaitValue32")
-        check(cu.cuEventRecord(events[0], handle), "cuEventRecord")
-        for i, (phase, p) in enumerate(launches):
-            phase.module.launch(p.launch, p.pointers, p.env, handle)
-            check(cu.cuEventRecord(events[i + 1], handle), "cuEventRecord")
-        flag.value = round_
-        drafter.stream.synchronize()
-        for i in range(len(labels)):
-            per[i].append(float(check(cu.cuEventElapsedTime(events[i], events[i + 1]), "cuEventElapsedTime")) * 1e3)
+    with HostGate() as gate:
+        for _ in range(10):
+            with gate.held(handle):
+                check(cu.cuEventRecord(events[0], handle), "cuEventRecord")
+                for i, (phase, p) in enumerate(launches):
+                    phase.module.launch(p.launch, p.pointers, p.env, handle)
+                    check(cu.cuEventRecord(events[i + 1], handle), "cuEventRecord")
+            drafter.stream.synchronize()
+            for i in range(len(labels)):
+                elapsed = check(cu.cuEventElapsedTime(events[i], events[i + 1]), "cuEventElapsedTime")
+                per[i].append(float(elapsed) * 1e3)
     for event in events:
         check(cu.cuEventDestroy(event), "cuEventDestroy")
-    check(cu.cuMemFreeHost(host), "cuMemFreeHost")
     return [(node, kernel, statistics.median(t)) for (node, kernel), t in zip(labels, per, strict=True)]
 
 
@@ -387,133 +390,8 @@ def _bf16() -> Any:
     return ml_dtypes.bfloat16
 
 
-# ------------------------------------------------------------------------------------------ PyTorch peer
-
-
-class TorchPeer:
-    """The same step in PyTorch: static KV cache per layer, fused QKV / gate-up / context K/V weights,
-    SDPA with GQA, bf16; append + propose captured in one CUDA graph."""
-
-    def __init__(self, weights: dict[str, Any], cfg: Any, nb: int, cached: int = CACHED, dev: str = "cuda") -> None:
-        import torch
-
-        self.torch = torch
-        self.w, self.cfg, self.nb, self.cached = weights, cfg, nb, cached
-        bf16 = torch.bfloat16
-        self.L, self.H, self.Hq, self.Hkv, self.D = (
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.B = cfg.block_size
-        self.len = cached + NEW_ROWS
-        total = self.len + self.B
-        self.k = torch.randn(self.L, nb, self.Hkv, total, self.D, device=dev, dtype=bf16)
-        self.v = torch.randn(self.L, nb, self.Hkv, total, self.D, device=dev, dtype=bf16)
-        self.taps = torch.randn(nb * NEW_ROWS, cfg.fc_in_features, device=dev, dtype=bf16)
-        self.anchors = torch.zeros(nb, dtype=torch.long, device=dev)
-        inv = weights["rope.inv_freq"].float()
-        pos_ctx = torch.arange(cached, self.len, device=dev).float()
-        pos_blk = torch.arange(self.len, total, device=dev).float()
-        self.cos_ctx, self.sin_ctx = self._table(pos_ctx, inv)
-        self.cos_blk, self.sin_blk = self._table(pos_blk, inv)
-        self.mask_ids = torch.full((nb, self.B - 1), cfg.mask_token_id, dtype=torch.long, device=dev)
-        self.eps = cfg.rms_norm_eps
-        self.graph = None
-        self.tokens = None
-
-    def _table(self, pos: Any, inv: Any) -> tuple[Any, Any]:
-        f = pos[:, None] * inv[None, :]
-        emb = self.torch.cat([f, f], dim=-1)
-        return emb.cos().to(self.torch.bfloat16), emb.sin().to(self.torch.bfloat16)
-
-    def _rope(self, x: Any, cos: Any, sin: Any) -> Any:  # x [..., T, D] with T matching cos rows
-        half = self.D // 2
-        rotated = self.torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    def _rms(self, x: Any, w: Any) -> Any:
-        return self.torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), w.float(), self.eps).to(x.dtype)
-
-    def step(self) -> Any:
-        torch, w, nb, B = self.torch, self.w, self.nb, self.B
-        F = torch.nn.functional
-        # append_context: fc -> hidden_norm -> fused K/V of every layer -> k_norm + rope -> static cache
-        c = self._rms(self.taps @ w["fc.weight"].T, w["hidden_norm.weight"])
-        kv = (c @ w["ctx_kv.weight"].T).view(nb, NEW_ROWS, self.L, 2, self.Hkv, self.D)
-        for layer in range(self.L):
-            kc = self._rms(kv[:, :, layer, 0], w[f"layers.{layer}.self_attn.k_norm.weight"]).transpose(1, 2)
-            self.k[layer, :, :, self.cached : self.len] = self._rope(kc, self.cos_ctx, self.sin_ctx)
-            self.v[layer, :, :, self.cached : self.len] = kv[:, :, layer, 1].transpose(1, 2)
-        # propose: embed [anchor, MASK...] -> layers over the cached rows + the block's own K/V -> lm_head
-        ids = torch.cat([self.anchors[:, None], self.mask_ids], dim=1).reshape(-1)
-        h = w["target.embed_tokens"][ids]
-        for layer in range(self.L):
-            p = f"layers.{layer}."
-            x = self._rms(h, w[p + "input_layernorm.weight"])
-            qkv = x @ w[f"l{layer}.qkv.weight"].T
-            q, k, v = qkv.split([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
-            q = self._rms(q.view(nb, B, self.Hq, self.D), w[p + "self_attn.q_norm.weight"]).transpose(1, 2)
-            k = self._rms(k.view(nb, B, self.Hkv, self.D), w[p + "self_attn.k_norm.weight"]).transpose(1, 2)
-            q = self._rope(q, self.cos_blk, self.sin_blk)
-            self.k[layer, :, :, self.len :] = self._rope(k, self.cos_blk, self.sin_blk)
-            self.v[layer, :, :, self.len :] = v.view(nb, B, self.Hkv, self.D).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, self.k[layer], self.v[layer], enable_gqa=True)
-            h = h + o.transpose(1, 2).reshape(nb * B, self.Hq * self.D) @ w[p + "self_attn.o_proj.weight"].T
-            m = self._rms(h, w[p + "post_attention_layernorm.weight"])
-            g, u = (m @ w[f"l{layer}.gate_up.weight"].T).chunk(2, dim=-1)
-            h = h + (F.silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
-        hn = self._rms(h, w["norm.weight"]).view(nb, B, self.H)[:, 1:]
-        logits = hn.reshape(nb * (B - 1), self.H) @ w["target.lm_head"].T
-        return logits.float().argmax(-1).view(nb, B - 1)
-
-    def capture(self) -> None:
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.tokens = self.step()
-
-    def time(self) -> list[float]:
-        torch = self.torch
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.graph.replay()
-        samples = []
-        for _ in range(REPEATS):
-            start.record()
-            self.graph.replay()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop))
-        return samples
-
-
-def _torch_weights(artifact: Path, dev: str = "cuda") -> dict[str, Any]:
-    import torch
-
-    from dflash_compiler.artifact import WEIGHTS, load_manifest
-    from dflash_compiler.weight_tiles import from_tiles
-    from dflash_compiler.weights import WeightSet
-
-    stored = WeightSet(artifact / WEIGHTS)
-    manifest = load_manifest(artifact, unread=(WEIGHTS,))
-    out = {}
-    for name in stored.names():
-        a = stored.get(name)
-        if manifest.weights[name].decl["transform"] == "tiles":  # the peer multiplies row-major weights
-            a = from_tiles(a)
-        if str(a.dtype) == "bfloat16":
-            out[name] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dev)
-        else:
-            out[name] = torch.from_numpy(np.asarray(a, np.float32)).to(dev)
-    return out
+def _artifact(bundle: Path, variant: str) -> Path:
+    return bundle / f"{EXAMPLE}-sm_90-{variant}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -534,17 +412,27 @@ def run(args: argparse.Namespace) -> int:
     peer_ms: dict[int, float] = {}
     pool: np.ndarray | None = None  # the taps every sequence's cache is filled from (_fill)
     # several bundles (an A/B of two builds): each variant of each, against the same checkpoint and bandwidth
-    runs = [(Path(bundle), variant) for bundle in args.bundle for variant in args.variants]
+    wanted = [(Path(bundle), variant) for bundle in args.bundle for variant in args.variants]
+    runs = [(bundle, variant) for bundle, variant in wanted if _artifact(bundle, variant).is_dir()]
+    empty = [bundle for bundle in args.bundle if all(built != Path(bundle) for built, _ in runs)]
+    if empty:
+        raise SystemExit(
+            f"{', '.join(empty)}: no artifact of variant {' or '.join(args.variants)}. Fix: build them "
+            "(bench/propose.py build -o DIR --variants ...)"
+        )
+    for bundle, variant in wanted:  # an A/B's candidate may be built in one variant only
+        if (bundle, variant) not in runs:
+            print(f"{_artifact(bundle, variant)}: not built, not measured")
     for index, (bundle, variant) in enumerate(runs):
         precision, dependent = {name: (p, d) for name, p, d in VARIANTS}[variant]
         label = f"{bundle.name}/{variant}" if len(args.bundle) > 1 else variant
-        artifact = bundle / f"{EXAMPLE}-sm_90-{variant}"
+        artifact = _artifact(bundle, variant)
         local = work / f"{index}-{label.replace('/', '-')}"  # a bundle given twice (a repeat) gets a copy each
         shutil.copytree(artifact, local)
         pack_weights(local, work / "ckpt" / "drafter", work / "ckpt" / "target")
         torch_here = variant == "bf16" and not args.no_torch and not peer_ms
         if torch_here:
-            tw = _torch_weights(local)
+            tw = torch_weights(local)
         print(f"\n== {label}: {artifact}")
         head = ("nb", "ours ms", "torch ms", "roof ms", "GB/s", "% roof", "x roof", "vs torch")
         print("{:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>7} {:>8}".format(*head))
@@ -583,10 +471,10 @@ def run(args: argparse.Namespace) -> int:
             if torch_here:
                 import torch
 
-                peer = TorchPeer(tw, cfg, nb)
+                peer = TorchPeer(tw, cfg, nb, CACHED, NEW_ROWS)
                 peer.anchors.copy_(torch.from_numpy(ours["anchors"].astype(np.int64)).cuda())
                 peer.capture()
-                peer_ms[nb] = statistics.median(peer.time())
+                peer_ms[nb] = statistics.median(peer.time(REPEATS))
                 del peer
                 torch.cuda.empty_cache()
             ratio = ours["ms"] / peer_ms[nb] if nb in peer_ms else float("nan")
@@ -636,7 +524,17 @@ def run(args: argparse.Namespace) -> int:
             for seq in range(nb):
                 drafter.free(seq)
         drafter.close()
+    _print_speedups(results["rows"])
     return 0
+
+
+def _print_speedups(rows: list[dict[str, Any]]) -> None:
+    """bf16 ms ÷ FP8 ms per nb, for each bundle measured in both precisions (the issue's FP8 target)."""
+    ms = {(row["bundle"], row["precision"], row["nb"]): row["ours_ms"] for row in rows}
+    for bundle, precision, nb in ms:
+        if precision == "fp8" and (bundle, "bf16", nb) in ms:
+            speedup = ms[(bundle, "bf16", nb)] / ms[(bundle, "fp8", nb)]
+            print(f"{bundle}: FP8 {speedup:.3f}x faster than bf16 at nb={nb}")
 
 
 def _write_json(path: Path, results: dict[str, Any]) -> None:

@@ -7,9 +7,11 @@ over the symbolic sizes. Nothing here imports TVM or torch; numpy is only used f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -145,6 +147,63 @@ class EventTimer:
         cu = _driver()
         check(cu.cuEventSynchronize(self.stop), "cuEventSynchronize")
         return float(check(cu.cuEventElapsedTime(self.start, self.stop), "cuEventElapsedTime"))
+
+
+class HostGate:
+    """Holds a stream until the host lets it go: `held(stream)` queues a wait on a word of mapped host memory,
+    and the work queued inside the `with` starts on the GPU only once it exits. Benchmarks queue a whole timed
+    step behind it, events included, so the host's time to submit the step (Python, a graph launch, their
+    jitter) is never counted as GPU time.
+
+    A gate left shut would stall its stream for good, so each hold opens by itself after `watchdog_s`, and then
+    the `with` raises: the work inside waited on the gated stream (a synchronisation, a capture), and what was
+    timed is not the GPU's time. `close()` (or leaving `with HostGate() as gate`) frees the word.
+    """
+
+    def __init__(self, watchdog_s: float = 5.0) -> None:
+        cu = _driver()
+        self.watchdog_s = watchdog_s
+        self._host = check(cu.cuMemHostAlloc(4, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self._word = ctypes.c_uint32.from_address(int(self._host))
+        self._word.value = 0
+        self._device = check(cu.cuMemHostGetDevicePointer(self._host, 0), "cuMemHostGetDevicePointer")
+        self._round = 0
+
+    def __enter__(self) -> HostGate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._host is not None:
+            check(_driver().cuMemFreeHost(self._host), "cuMemFreeHost")
+            self._host = None
+
+    def _open(self, round_: int) -> None:
+        self._word.value = max(self._word.value, round_)
+
+    @contextlib.contextmanager
+    def held(self, stream: Any) -> Iterator[None]:
+        cu = _driver()
+        self._round += 1
+        round_ = self._round
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        check(cu.cuStreamWaitValue32(stream, self._device, round_, geq), "cuStreamWaitValue32")
+        watchdog = threading.Timer(self.watchdog_s, self._open, (round_,))
+        watchdog.start()
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            opened_early = self._word.value >= round_
+            self._open(round_)
+        if opened_early:
+            raise CudaError(
+                f"the host gate opened after its {self.watchdog_s} s watchdog: the work queued behind it waited on "
+                "the gated stream (a synchronisation or a capture inside the hold), so it was not timed as GPU "
+                "work. Fix: warm up (capture, first launches) before holding the stream, and synchronise after"
+            )
 
 
 class Module:
