@@ -196,7 +196,8 @@ def build(args: argparse.Namespace) -> None:
     from dflash_compiler.codegen import lower_to_cuda
     from dflash_compiler.nvrtc import compile_cubin
     from dflash_compiler.schedules.base import ScheduleError
-    from dflash_compiler.schedules.linear import LinearGemvRule, LinearMmaRule, few_rows_knobs
+    from dflash_compiler.schedules.linear_plans import few_rows_knobs
+    from dflash_compiler.schedules.linear_rules import LinearGemvRule, LinearMmaRule
     from dflash_compiler.schedules.linear_tiled import TILED_KNOBS
     from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS
     from dflash_compiler.targets import get_target

@@ -15,7 +15,7 @@ from .embed import EmbedRule
 from .head_norm_rope import HeadNormRopeRule
 from .head_prep import HeadPrepRule
 from .kv_write import KVWriteRule
-from .linear import LinearArgmaxRule, LinearGemvRule, LinearMmaRule, LinearSiluRule
+from .linear_rules import LinearArgmaxRule, LinearGemvRule, LinearMmaRule, LinearSiluRule
 from .rmsnorm import RMSNormRule, RMSNormSpec, rmsnorm_func, rmsnorm_kernel
 
 # Tried in order by `apply_rules`. Families do not overlap except the linears and the attention: the

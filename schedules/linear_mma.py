@@ -33,7 +33,7 @@ Where `x` goes is the `x_stages` knob:
   eight times; by default calls above `gemm_rows` rows go to the tiled GEMM of `linear_tiled.py` (or
   `linear_wgmma.py`'s warpgroup GEMM on sm_90) instead,
   which the host code picks per call, and for all but wide FP8 weights the calls up to gemm_rows rows go to a
-  small plan of the same kernel (`small_tiled_plan` in linear.py), whose weight in flight sits in shared
+  small plan of the same kernel (`small_tiled_plan` in linear_plans.py), whose weight in flight sits in shared
   memory instead of registers.
 * n >= 1, GEMM mode (a knob setting; the tiled GEMM is 1.2-1.7x faster at 64-256 rows on the H200;
   m_tile 64-256, the weight streamed once for up to m_tile rows): the registers hold the accumulators

@@ -575,7 +575,7 @@ def last_store_macro(spec: LinearSpec, plan: WgmmaPlan) -> Any:
     every wgmma has completed (each thread waited for its own before storing).
 
     It saves the merge launch but leaves one block of 128 threads a tile's whole sum at the end of the grid, and
-    lost, so it is off by default (linear.DEFAULT_K_REDUCE). H100, one run of the builds between two copies of the
+    lost, so it is off by default (linear_plans.DEFAULT_K_REDUCE). H100, one run of the builds between two copies of the
     default (bench/propose.py, ms of the step at nb = 1 / 4 / 8 / 16; µs o_proj's five calls add at nb = 8,
     timeline): bf16 1.256 / 1.470 / 1.703 / 2.501 → 1.264 / 1.499 / 1.749 / 2.605, o_proj 17.5 + 2.1 (GEMM +
     merge) → 23.2 a call; FP8 0.747 / 0.998 / 1.328 / 2.424 → 0.748 / 1.023 / 1.392 / 2.528. It is correct

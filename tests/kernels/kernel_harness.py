@@ -16,14 +16,9 @@ import pytest
 from dflash_compiler.schedules.attention import BlockAttentionSpec
 from dflash_compiler.schedules.base import Kernel, KernelSpec
 from dflash_compiler.schedules.check import mismatches
-from dflash_compiler.schedules.linear import (
-    FP8,
-    LinearArgmaxRule,
-    LinearMmaRule,
-    LinearSiluRule,
-    LinearSpec,
-    fit_wgmma_plan,
-)
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_plans import fit_wgmma_plan
+from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
 from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90
 

@@ -81,7 +81,7 @@ def test_knobbed_fp8_build_is_safe_to_launch_dependent(convert):
     from dflash_compiler.kernel_build import build_kernels
     from dflash_compiler.pipeline import optimize
     from dflash_compiler.schedules.attention_wgmma import AttentionWgmmaRule
-    from dflash_compiler.schedules.linear import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
+    from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
 
     program = optimize(
         load_drafter_config(example_config_path("qwen3-8b-dflash-b16")),

@@ -16,26 +16,18 @@ from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
-from dflash_compiler.schedules.linear import (
-    BF16,
-    F32,
+from dflash_compiler.schedules.linear import BF16, F32, FP8, LinearSpec, random_weight, spec_of
+from dflash_compiler.schedules.linear_mma import mma_gemv_func
+from dflash_compiler.schedules.linear_plans import (
     FEW_ROWS_KNOBS,
-    FP8,
-    LinearArgmaxRule,
-    LinearGemvRule,
-    LinearMmaRule,
-    LinearSiluRule,
-    LinearSpec,
     _register_estimate,
     few_rows_wgmma_plan,
     fit_mma_plan,
     fit_tiled_plan,
     fit_wgmma_plan,
-    random_weight,
     small_tiled_plan,
-    spec_of,
 )
-from dflash_compiler.schedules.linear_mma import mma_gemv_func
+from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearGemvRule, LinearMmaRule, LinearSiluRule
 from dflash_compiler.schedules.linear_wgmma import CONVERT_REGISTERS, CONVERT_TILE, WGMMA_KNOBS, WgmmaPlan
 from dflash_compiler.targets import SM90, SM120, SM121
 from dflash_compiler.wgmma import COMMIT as WGMMA_COMMIT

@@ -15,15 +15,8 @@ from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.ir.interpret import evaluate_node
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
-from dflash_compiler.schedules.linear import (
-    FP8,
-    I32,
-    LinearArgmaxRule,
-    LinearGemvRule,
-    LinearMmaRule,
-    LinearSpec,
-    spec_of,
-)
+from dflash_compiler.schedules.linear import FP8, I32, LinearSpec, spec_of
+from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearGemvRule, LinearMmaRule
 from dflash_compiler.targets import SM90, SM120, SM121
 
 tvm = pytest.importorskip("tvm")

@@ -11,7 +11,9 @@ import re
 import pytest
 
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import FP8, LinearMmaRule, LinearSpec, fit_wgmma_plan
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_plans import fit_wgmma_plan
+from dflash_compiler.schedules.linear_rules import LinearMmaRule
 from dflash_compiler.schedules.linear_wgmma import CLUSTER_PAD, CLUSTER_REDUCE, KERNEL_REDUCE, WgmmaPlan
 from dflash_compiler.targets import SM90
 

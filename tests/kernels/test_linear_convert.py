@@ -17,7 +17,8 @@ from dflash_compiler.dependent_launch import WAIT, kernel_bodies
 from dflash_compiler.fp8_convert import E4M3_A_FRAGMENT, E4M3X4_TO_BF16
 from dflash_compiler.mbarrier import NAMED_SYNC, WAIT_PARITY
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import FP8, LinearMmaRule, LinearSpec
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_rules import LinearMmaRule
 from dflash_compiler.schedules.linear_wgmma import (
     CLUSTER_REDUCE,
     CONVERT_REGISTERS,

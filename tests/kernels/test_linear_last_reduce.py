@@ -12,7 +12,9 @@ import pytest
 
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import FP8, LinearMmaRule, LinearSpec, fit_wgmma_plan
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_plans import fit_wgmma_plan
+from dflash_compiler.schedules.linear_rules import LinearMmaRule
 from dflash_compiler.schedules.linear_wgmma import KERNEL_REDUCE, LAST_REDUCE, PRODUCER_ROLES
 from dflash_compiler.targets import SM90
 

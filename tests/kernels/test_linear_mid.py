@@ -9,13 +9,9 @@ from __future__ import annotations
 import pytest
 
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import (
-    FP8,
-    MID_KNOBS,
-    LinearMmaRule,
-    LinearSpec,
-    mid_defaults,
-)
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_plans import MID_KNOBS, mid_defaults
+from dflash_compiler.schedules.linear_rules import LinearMmaRule
 from dflash_compiler.schedules.linear_wgmma import WGMMA_KNOBS
 from dflash_compiler.targets import SM90, SM120
 

@@ -15,11 +15,8 @@ from dflash_compiler.dependent_launch import LAUNCH_DEPENDENTS, WAIT, kernel_bod
 from dflash_compiler.fp8_convert import E4M3X4_TO_BF16
 from dflash_compiler.mbarrier import ARRIVE, BARRIER_BYTES, INIT, NAMED_SYNC, WAIT_PARITY
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import (
-    FP8,
-    LinearMmaRule,
-    LinearSpec,
-)
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_rules import LinearMmaRule
 from dflash_compiler.schedules.linear_wgmma import PRODUCER_ROLES, SHARED_ROLES, WgmmaPlan
 from dflash_compiler.targets import SM90
 from dflash_compiler.wgmma import FENCE as WGMMA_FENCE

@@ -12,7 +12,8 @@ import re
 import pytest
 
 from dflash_compiler.dependent_launch import WAIT, kernel_bodies
-from dflash_compiler.schedules.linear import FP8, LinearArgmaxRule, LinearMmaRule, LinearSiluRule, LinearSpec
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
 from dflash_compiler.schedules.linear_tiled import row_scale_count
 from dflash_compiler.targets import SM90
 

@@ -14,15 +14,8 @@ import pytest
 from dflash_compiler.ir import Node, Op, TensorType
 from dflash_compiler.ir.interpret import evaluate_node
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
-from dflash_compiler.schedules.linear import (
-    FP8,
-    LinearArgmaxRule,
-    LinearGemvRule,
-    LinearMmaRule,
-    LinearSiluRule,
-    LinearSpec,
-    spec_of,
-)
+from dflash_compiler.schedules.linear import FP8, LinearSpec, spec_of
+from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearGemvRule, LinearMmaRule, LinearSiluRule
 from dflash_compiler.targets import SM90, SM120, SM121
 
 tvm = pytest.importorskip("tvm")

@@ -11,14 +11,9 @@ import pytest
 
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import ScheduleError
-from dflash_compiler.schedules.linear import (
-    FP8,
-    TALL_KNOBS,
-    LinearMmaRule,
-    LinearSpec,
-    tall_defaults,
-    tall_wanted,
-)
+from dflash_compiler.schedules.linear import FP8, LinearSpec
+from dflash_compiler.schedules.linear_plans import TALL_KNOBS, tall_defaults, tall_wanted
+from dflash_compiler.schedules.linear_rules import LinearMmaRule
 from dflash_compiler.targets import SM90, SM120
 
 tvm = pytest.importorskip("tvm")

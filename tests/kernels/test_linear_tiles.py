@@ -13,15 +13,8 @@ from dflash_compiler.ir.graph import Node, TensorType
 from dflash_compiler.ir.ops import Op
 from dflash_compiler.runtime.expr import evaluate
 from dflash_compiler.schedules.base import OpInstance, ScheduleError
-from dflash_compiler.schedules.linear import (
-    BF16,
-    FP8,
-    LinearArgmaxRule,
-    LinearMmaRule,
-    LinearSiluRule,
-    LinearSpec,
-    spec_of,
-)
+from dflash_compiler.schedules.linear import BF16, FP8, LinearSpec, spec_of
+from dflash_compiler.schedules.linear_rules import LinearArgmaxRule, LinearMmaRule, LinearSiluRule
 from dflash_compiler.targets import SM90, SM120
 
 tvm = pytest.importorskip("tvm")
