@@ -124,7 +124,7 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = Fals
     """GPU time of one step (both phases as one CUDA graph, as `Drafter.step` replays them), median of REPEATS;
     the same with each phase its own graph; the host's wall time of a step through the public API (`_api_ms`);
     a per-call breakdown and, with `timeline`, when each kernel of one replayed step ran (`_timeline`)."""
-    from dflash_compiler.runtime.steps import context_step, propose_step
+    from dflash_compiler.runtime.steps import context_step, padded_context, propose_step
 
     m = drafter.manifest
     kv = m.kv_cache
@@ -132,8 +132,11 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = Fals
     width = int(append.plan.values["taps"].shape[1])
     seqs = list(range(nb))
     positions = [np.arange(CACHED, CACHED + NEW_ROWS)] * nb
-    ctx = context_step(drafter.pages, seqs, positions)
-    append.write_input("taps", rng.standard_normal((nb * NEW_ROWS, width), np.float32).astype(_bf16()), drafter.stream)
+    # padded as Drafter.step pads them: what the API launches
+    ctx = padded_context(context_step(drafter.pages, seqs, positions), append.maxima["ctx"], kv.page_size)
+    taps = np.zeros((len(ctx.slots), width), _bf16())
+    taps[: nb * NEW_ROWS] = rng.standard_normal((nb * NEW_ROWS, width), np.float32)
+    append.write_input("taps", taps, drafter.stream)
     append.write_input("ctx_positions", ctx.positions, drafter.stream)
     append.write_input("ctx_slots", ctx.slots, drafter.stream)
     step = propose_step(drafter.pages, seqs, m.block_size, kv.pages_per_seq)  # lengths include the new rows
@@ -143,7 +146,7 @@ def _ours(drafter: Any, nb: int, rng: np.random.Generator, timeline: bool = Fals
     propose.write_input("blk_positions", step.positions, drafter.stream)
     propose.write_input("block_table", step.block_table, drafter.stream)
     propose.write_input("cache_lens", step.cache_lens, drafter.stream)
-    dims_a = {"ctx": nb * NEW_ROWS, "pages": kv.num_pages}
+    dims_a = {"ctx": len(ctx.slots), "pages": kv.num_pages}
     dims_p = {"nb": nb, "blk": m.block_size, "pages": kv.num_pages, "maxp": kv.pages_per_seq}
     phases = [(append, dims_a), (propose, dims_p)]
 

@@ -32,7 +32,7 @@ from dflash_compiler.runtime.cuda import Device, Module, Stream
 from dflash_compiler.runtime.device_array import DeviceArray, device_array
 from dflash_compiler.runtime.executor import GraphCache, PhaseExecutor
 from dflash_compiler.runtime.pages import PageAllocator, PagedSequences
-from dflash_compiler.runtime.steps import context_step, propose_step
+from dflash_compiler.runtime.steps import ContextStep, context_step, padded_context, propose_step
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,9 @@ class Drafter(PagedSequences):
         bf16 device tensor (DLPack or `__cuda_array_interface__`), copied device to device. Rows beyond the
         build's `max_ctx_rows` are processed in several launches of the phase.
         """
+        append = self.phases["append_context"]
         for dims, _ in self._context_pieces(seq_ids, taps, positions):
-            self.phases["append_context"].run(dims, self.stream)
+            self._replay([(append, dims)])
         self.stream.synchronize()
 
     def step(self, rows: ContextRows, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
@@ -154,35 +155,46 @@ class Drafter(PagedSequences):
             if last:
                 tail.append((append, dims))
             else:
-                append.run(dims, self.stream)
+                self._replay([(append, dims)])
         rows.roll_back(self)
         propose, dims = self._stage_proposal(seq_ids, anchors)
-        chain = [*tail, (propose, dims)]
+        self._replay([*tail, (propose, dims)])
+        return self._drafts(dims, len(seq_ids))
+
+    def _replay(self, chain: Sequence[tuple[PhaseExecutor, Mapping[str, int]]]) -> None:
+        """Queue `chain`'s launches: one CUDA graph (captured on first use of these phases and dims), or plain
+        launches where the drafter was loaded without graphs."""
         if self.use_graphs:
             self.graphs.run(chain, self.stream)
         else:
-            for phase, phase_dims in chain:
-                phase.run(phase_dims, self.stream)
-        return self._drafts(dims, len(seq_ids))
+            for phase, dims in chain:
+                phase.run(dims, self.stream)
 
     def _context_pieces(
         self, seq_ids: Sequence[int], taps: Sequence[Any], positions: Sequence[Any]
     ) -> Iterator[tuple[dict[str, int], bool]]:
         """Reserve the rows' pages, then per piece of at most `max_ctx_rows` rows write the phase's inputs
-        (queued on the stream) and yield its dims and whether it is the last piece; the caller queues the
-        piece's launches before asking for the next, whose inputs overwrite these."""
+        (queued on the stream), padded as `steps.padded_context` says, and yield its dims and whether it is the
+        last piece; the caller queues the piece's launches before asking for the next, whose inputs overwrite
+        these."""
         step = context_step(self.pages, seq_ids, [np.asarray(p) for p in positions])
         phase = self.phases["append_context"]
         width = int(phase.plan.values["taps"].shape[1])
         pieces = [self._rows(t, width, f"taps[{i}]") for i, t in enumerate(taps)]
         chunk = phase.maxima["ctx"]
+        kv = self.manifest.kv_cache
         total = len(step.slots)
         for start in range(0, total, chunk):
             stop = min(total, start + chunk)
+            piece = padded_context(ContextStep(step.positions[start:stop], step.slots[start:stop]), chunk, kv.page_size)
+            rows = len(piece.slots)
             self._gather_rows(phase, "taps", pieces, start, stop, width)
-            phase.write_input("ctx_positions", step.positions[start:stop], self.stream)
-            phase.write_input("ctx_slots", step.slots[start:stop], self.stream)
-            yield {"ctx": stop - start, "pages": self.manifest.kv_cache.num_pages}, stop == total
+            if rows > stop - start:  # the pad rows' taps
+                pad_at = phase.base["taps"] + (stop - start) * width * 2
+                self.device.memset_async(pad_at, (rows - (stop - start)) * width * 2, self.stream)
+            phase.write_input("ctx_positions", piece.positions, self.stream)
+            phase.write_input("ctx_slots", piece.slots, self.stream)
+            yield {"ctx": rows, "pages": kv.num_pages}, stop == total
 
     @staticmethod
     def _rows(value: Any, width: int, what: str) -> np.ndarray | DeviceArray:
@@ -232,10 +244,7 @@ class Drafter(PagedSequences):
     def propose(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> Drafts:
         """Draft `block_size - 1` tokens per sequence; the anchor sits at the sequence's cached length."""
         phase, dims = self._stage_proposal(seq_ids, anchors)
-        if self.use_graphs:
-            phase.run_graph(dims, self.stream)
-        else:
-            phase.run(dims, self.stream)
+        self._replay([(phase, dims)])
         return self._drafts(dims, len(seq_ids))
 
     def _stage_proposal(self, seq_ids: Sequence[int], anchors: Sequence[int]) -> tuple[PhaseExecutor, dict[str, int]]:

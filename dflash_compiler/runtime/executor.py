@@ -63,7 +63,6 @@ class PhaseExecutor:
             for ws in fn.workspaces
         }
         self._prepared: dict[tuple[tuple[str, int], ...], list[PreparedLaunch]] = {}
-        self._graphs = GraphCache()
 
     # buffers ------------------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:
@@ -142,12 +141,7 @@ class PhaseExecutor:
     def run(self, dims: Mapping[str, int], stream: Stream | None = None) -> None:
         self.record(dims, 0 if stream is None else stream.handle)
 
-    def run_graph(self, dims: Mapping[str, int], stream: Stream) -> None:
-        """Replay the launch sequence for `dims` as a CUDA graph (captured on first use)."""
-        self._graphs.run([(self, dims)], stream)
-
     def close(self) -> None:
-        self._graphs.close()
         for pointer in self._owned:
             self.device.free(pointer)
         self._owned.clear()

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_compiler.runtime.pages import PageAllocator
+from dflash_compiler.runtime.pages import SCRATCH_PAGE, PageAllocator
+
+# A launch of the context phase takes its rows padded to a multiple of this, so that a server whose row counts
+# vary from step to step captures one CUDA graph per multiple (and sequence count), not one per count. The
+# few-rows linear kernels take x in 16-row tiles: a piece of 7 rows and one of 16 launch the same grid.
+CONTEXT_ROW_QUANTUM = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,24 @@ def context_step(pages: PageAllocator, seq_ids: Sequence[int], positions: Sequen
     return ContextStep(
         positions=(np.concatenate(all_pos) if all_pos else np.zeros(0)).astype(np.int32),
         slots=np.asarray(slots, np.int32),
+    )
+
+
+def padded_context(step: ContextStep, most: int, page_size: int) -> ContextStep:
+    """`step`'s rows followed by pad rows up to the next multiple of CONTEXT_ROW_QUANTUM, at most `most` rows
+    (the phase's launch limit; `step` must not hold more). A pad row sits at position 0 with its slot in the
+    scratch page, which no sequence owns and no attention reads unmasked; its taps are the caller's to zero,
+    which makes every value the phase derives from them zero (its projections have no biases: the front end
+    refuses them), so the scratch page stays zero."""
+    rows = len(step.slots)
+    if rows > most:
+        raise ValueError(f"a context launch takes at most {most} rows, got {rows}")
+    pad = min(most, -(-rows // CONTEXT_ROW_QUANTUM) * CONTEXT_ROW_QUANTUM) - rows
+    # where a page holds fewer rows than the pad, pad rows share slots: they write the same values
+    scratch = SCRATCH_PAGE * page_size + np.arange(pad, dtype=np.int32) % page_size
+    return ContextStep(
+        positions=np.concatenate([step.positions, np.zeros(pad, np.int32)]).astype(np.int32),
+        slots=np.concatenate([step.slots, scratch]).astype(np.int32),
     )
 
 

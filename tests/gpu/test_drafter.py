@@ -3,9 +3,9 @@
 Artifacts are compiled on the build box without weights (`dflash-compile compile examples/NAME --target
 sm_90 -o DIR`) and passed with `--artifact DIR`. Here the example's random checkpoint is generated, packed
 into a copy of the artifact (numpy only), and the drafter runs >= 20 steps with 4 sequences of different
-lengths, padded verify rows rolled back, and a sequence freed and replaced (page reuse). CUDA-graph and
-plain launches, and each round's rows appended by the next round's `Drafter.step` (one graph of both phases),
-must give identical drafts.
+lengths, padded verify rows rolled back, and a sequence freed and replaced (page reuse). CUDA-graph replays
+(context launches padded to a multiple of 16 rows) and plain launches, and each round's rows appended by the
+next round's `Drafter.step` (one graph of both phases), must give identical drafts.
 """
 
 from __future__ import annotations
@@ -60,9 +60,20 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     scenario = default_scenario(sequences=4, steps=20, seed=SEED)
 
     graphed = Drafter.load(artifact, use_graphs=True)
+    replayed: list[tuple[str, ...]] = []  # the phases of each graph replay
+    replay = graphed.graphs.run
+
+    def counted(chain, stream):
+        replayed.append(tuple(phase.plan.name for phase, _ in chain))
+        replay(chain, stream)
+
+    graphed.graphs.run = counted
     # an FP8 build is checked against the reference of its own (quantized) weights
     first = self_check(graphed, cfg, tensor, scenario, graphed.manifest.precision)
     graphed.close()
+    # every proposal and every context launch was a graph replay (context rows padded: a few captures)
+    assert replayed.count(("propose",)) >= len(first.run.records)
+    assert replayed.count(("append_context",)) >= len(first.run.records)
     print(f"\n{artifact.name}: {first.comparison.summary()}; propose median {first.median_propose_ms:.3f} ms")
     assert first.comparison.ok, "\n".join(first.comparison.mismatches[:20])
     decisions = sum(r.tokens.size for r in first.run.records)
