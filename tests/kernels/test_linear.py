@@ -791,8 +791,11 @@ def test_few_rows_go_to_a_small_tiled_kernel(target):
         (LinearSpec("matmul", 4096, 12288), (3, 16, 8, 1) if target is SM90 else (4, 8, 4, 1)),
         # 640 blocks fit no wave of the H200: the second; wide on GB10
         (LinearSpec("matmul", 10240, 4096), (4, 8, 4, 1) if target is SM90 else wide),
-        (LinearSpec("matmul_fp8", 4096, 4096, FP8), (4, 4, 4, 1)),
-        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (4, 4, 4, 1) if target is SM90 else wide_fp8),
+        # narrow e4m3 weights: the deepest of 8, 6, 4 and 3 slots of 4 k steps whose call is one wave
+        (LinearSpec("matmul_fp8", 4096, 4096, FP8), (8, 4, 4, 1) if target is SM90 else (4, 4, 4, 1)),
+        (LinearSpec("matmul_fp8", 4096, 12288, FP8), (8, 4, 4, 1) if target is SM90 else (4, 4, 4, 1)),
+        (LinearSpec("matmul_fp8", 6144, 4096, FP8), (6, 4, 4, 1) if target is SM90 else wide_fp8),
+        (LinearSpec("matmul_fp8", 10240, 4096, FP8), (3, 4, 4, 1) if target is SM90 else wide_fp8),
         (LinearSpec("matmul_fp8", 24576, 4096, FP8), wide_fp8),
         (LinearSpec("lm_head", 151936, 4096, FP8), wide_fp8),
         (LinearSpec("matmul", 200, 96), (3, 1, 1, 1)),  # 3 k steps: slots of one, one warp
