@@ -389,8 +389,17 @@ class LinearMmaRule(FamilyRule):
           so did f16 products (e4m3 → f16 by `cvt.rn.f16x2.e4m3x2`, x rounded to f16: 50.4, 233.9). Nsight
           Compute on its gate_up call: DRAM 74 % busy, 2.8 warps a scheduler, 0.43 of them eligible, an issue
           every 8.3 cycles of which 4.4 wait on the slots' copies (long scoreboard);
-        * narrow FP8 weights: four slots of 4 k steps (an FP8 k step is 64 wide), four warps along k: qkv
-          11.33 → 10.00, o_proj 9.40 → 7.53, down 19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode).
+        * narrow FP8 weights: slots of 4 k steps (an FP8 k step is 64 wide), four warps along k, at the deepest
+          of 8, 6, 4 and 3 slots whose 16-row call fits one wave (sm_90: down, fc and o_proj 8, qkv 6, ctx_kv
+          3; GB10 4), else four. Four slots against GEMV mode: qkv 11.33 → 10.00, o_proj 9.40 → 7.53, down
+          19.46 → 17.93 (dependent within ±0.4 µs of GEMV mode). Four slots held 32 KiB of e4m3 weight in flight
+          per SM for down and fc (two blocks an SM), where by Little's law an SM needs ~45 KiB (3 TB/s ÷ 132
+          SMs × ~2 µs loaded latency). The rule against four slots everywhere, with each step queued behind a
+          host gate (bench/propose.py; H100, one run, the candidate between two copies of the four-slot build;
+          µs over the calls' bytes at copy speed at nb = 1, timeline): down +15.9 → +6.5, fc +8.0 → +6.1,
+          ctx_kv +5.9 → +2.1, gate_up after them +15.5 → +19.2; the span 737.2 / 737.4 → 727.9 µs and the FP8
+          step 0.737 / 0.739 → 0.731 ms at nb = 1, 0.994 / 0.996 → 1.000 at nb = 4, 1.307 / 1.308 → 1.310 at
+          nb = 8, 2.423 / 2.395 → 2.420 at nb = 16.
           More weight tiles per block lost here (fewer blocks: o_proj FP8 6.69 → 8.90 with two).
           On an H100 (one run, µs at 16 rows, dependent launches) eight slots made down FP8 20.42 → 19.25 and
           three slots gate_up FP8 36.66 → 36.07, but in the step neither moved (bench/propose.py, one run, FP8
@@ -402,7 +411,8 @@ class LinearMmaRule(FamilyRule):
           89.3, fc 34.7 / 34.4 → 32.7 / 33.3 → 33.3 / 31.8, ctx_kv 19.4 / 20.8 → 17.8 / 18.3 → 20.4 / 20.3, o_proj
           and qkv unchanged at six (qkv's 384 blocks take two waves at eight: 75.0 / 76.5), while gate_up, after
           them, took 185.1 / 184.1 → 190.9 / 187.1; the timeline's span 745.8 / 746.8 → 738.3 / 738.7 µs, but the
-          step 0.739 / 0.749 → 0.742 / 0.750 ms (0.768 at eight). As before, the step did not see it: not kept.
+          step 0.739 / 0.749 → 0.742 / 0.750 ms (0.768 at eight): the host's submission of the graph, then inside
+          the timed span, hid gains of this size (the gated run above resolves them).
           More warps along k did not help the narrow FP8 weights either (H100, one run, µs at 16 rows, default →
           2-4 slots of 8 k steps and 8 warps, 2 of 16 and 16 warps): qkv 10.22 → 10.76-12.32, o_proj 7.28 →
           7.40-8.30, down 20.40 → 19.62-21.07 (the step did not see down's gain with eight slots, above);
