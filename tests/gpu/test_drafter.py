@@ -130,3 +130,43 @@ def test_target_tensors_are_borrowed_zero_copy(artifact_dir, tmp_path):
     other.close()
     for a, b in zip(want.records, got.records, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_device_taps_give_the_drafts_of_host_taps(artifact_dir, tmp_path):
+    """Context rows given as bf16 CUDA tensors, mixed with host rows in one call (copied device to device
+    into the same launch's input), give the drafts of the same rows given as host arrays."""
+    torch = pytest.importorskip("torch")
+    from dflash_compiler.artifact import load_manifest
+    from dflash_compiler.checkpoint import write_example
+    from dflash_compiler.config import load_drafter_config
+    from dflash_compiler.pack import pack_weights
+    from dflash_compiler.protocol import run_scenario
+    from dflash_compiler.runtime.drafter import Drafter
+    from dflash_compiler.selfcheck import default_scenario
+
+    artifact = tmp_path / Path(artifact_dir).name
+    shutil.copytree(artifact_dir, artifact)
+    ckpt = tmp_path / "ckpt"
+    write_example(_example_of(load_manifest(artifact, require=())), ckpt, seed=SEED)
+    pack_weights(artifact, ckpt / "drafter", ckpt / "target")
+    cfg = load_drafter_config(ckpt / "drafter")
+    scenario = default_scenario(sequences=3, steps=6, seed=SEED)
+
+    class OnDevice(Drafter):
+        """Every other sequence's rows as a CUDA tensor (float32 → bf16 rounds to nearest even, as on the host)."""
+
+        def append_context(self, seq_ids, taps, positions):
+            moved = [
+                torch.from_numpy(np.asarray(t, np.float32)).to(torch.bfloat16).cuda() if i % 2 == 0 else t
+                for i, t in enumerate(taps)
+            ]
+            super().append_context(seq_ids, moved, positions)
+
+    host = Drafter.load(artifact)
+    want = run_scenario(host, cfg, scenario)
+    host.close()
+    device = OnDevice.load(artifact, device=host.device)
+    got = run_scenario(device, cfg, scenario)
+    device.close()
+    for a, b in zip(want.records, got.records, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=f"step {a.step}")
