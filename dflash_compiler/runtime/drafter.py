@@ -147,7 +147,10 @@ class Drafter(PagedSequences):
 
         Host wall time of one Qwen3-8B drafter step on an H100 (bench/propose.py: 7 new rows a sequence,
         4096 cached, drafts read back), `append_context` then `propose` → `step`: bf16 2.014 → 1.505 ms at
-        nb = 1 and 4.370 → 2.905 at nb = 8, FP8 1.848 → 1.147 and 3.224 → 2.328 ms."""
+        nb = 1 and 4.370 → 2.905 at nb = 8, FP8 1.848 → 1.147 and 3.224 → 2.328 ms, while `append_context`
+        launched its kernels one by one. With its launches a graph replay too, the two take as long (one run:
+        bf16 1.542 → 1.539 ms at nb = 1, FP8 1.019 → 1.016), and on the GPU the one graph saves only the
+        boundary between two (bf16 1.239 ms either way at nb = 1, FP8 0.733 → 0.731)."""
         self._check_proposal(seq_ids, anchors)  # before any row is appended
         append = self.phases["append_context"]
         tail: list[tuple[PhaseExecutor, dict[str, int]]] = []
