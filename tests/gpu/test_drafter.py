@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,23 +40,30 @@ def _example_of(manifest) -> str:
     raise AssertionError(f"{manifest.name} was not compiled from a bundled example")
 
 
-def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
+def _packed(artifact_dir: str, tmp_path: Path) -> tuple[Path, Any, Path, Any]:
+    """A copy of the artifact packed with its example's random checkpoint: (artifact, manifest, checkpoint dir,
+    drafter config)."""
     from dflash_compiler.artifact import load_manifest
     from dflash_compiler.checkpoint import write_example
     from dflash_compiler.config import load_drafter_config
     from dflash_compiler.pack import pack_weights
+
+    artifact = tmp_path / Path(artifact_dir).name
+    shutil.copytree(artifact_dir, artifact)
+    manifest = load_manifest(artifact, require=())
+    ckpt = tmp_path / "ckpt"
+    write_example(_example_of(manifest), ckpt, seed=SEED)
+    pack_weights(artifact, ckpt / "drafter", ckpt / "target")
+    return artifact, manifest, ckpt, load_drafter_config(ckpt / "drafter")
+
+
+def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
     from dflash_compiler.protocol import run_scenario
     from dflash_compiler.runtime.drafter import Drafter
     from dflash_compiler.selfcheck import default_scenario, self_check
     from dflash_compiler.sources import checkpoint_source
 
-    artifact = tmp_path / Path(artifact_dir).name
-    shutil.copytree(artifact_dir, artifact)
-    example = _example_of(load_manifest(artifact, require=()))
-    ckpt = tmp_path / "ckpt"
-    write_example(example, ckpt, seed=SEED)
-    pack_weights(artifact, ckpt / "drafter", ckpt / "target")
-    cfg = load_drafter_config(ckpt / "drafter")
+    artifact, _, ckpt, cfg = _packed(artifact_dir, tmp_path)
     tensor = checkpoint_source(cfg, ckpt / "drafter", ckpt / "target")
     scenario = default_scenario(sequences=4, steps=20, seed=SEED)
 
@@ -98,22 +106,13 @@ def test_artifact_drafts_match_reference(artifact_dir, tmp_path):
 def test_target_tensors_are_borrowed_zero_copy(artifact_dir, tmp_path):
     """embed_tokens / lm_head passed as the serving engine's device tensors (DLPack) give the same drafts."""
     torch = pytest.importorskip("torch")
-    from dflash_compiler.artifact import WEIGHTS, load_manifest
-    from dflash_compiler.checkpoint import write_example
-    from dflash_compiler.config import load_drafter_config
-    from dflash_compiler.pack import pack_weights
+    from dflash_compiler.artifact import WEIGHTS
     from dflash_compiler.protocol import run_scenario
     from dflash_compiler.runtime.drafter import Drafter
     from dflash_compiler.selfcheck import default_scenario
     from dflash_compiler.weights import WeightSet
 
-    artifact = tmp_path / Path(artifact_dir).name
-    shutil.copytree(artifact_dir, artifact)
-    ckpt = tmp_path / "ckpt"
-    manifest = load_manifest(artifact, require=())
-    write_example(_example_of(manifest), ckpt, seed=SEED)
-    pack_weights(artifact, ckpt / "drafter", ckpt / "target")
-    cfg = load_drafter_config(ckpt / "drafter")
+    artifact, manifest, _, cfg = _packed(artifact_dir, tmp_path)
     scenario = default_scenario(sequences=2, steps=6, seed=SEED)
     stored = WeightSet(artifact / WEIGHTS)
     # An FP8 build stores lm_head quantized (`target.lm_head.e4m3` + scales): only bf16 tensors are borrowable.
@@ -136,20 +135,11 @@ def test_device_taps_give_the_drafts_of_host_taps(artifact_dir, tmp_path):
     """Context rows given as bf16 CUDA tensors, mixed with host rows in one call (copied device to device
     into the same launch's input), give the drafts of the same rows given as host arrays."""
     torch = pytest.importorskip("torch")
-    from dflash_compiler.artifact import load_manifest
-    from dflash_compiler.checkpoint import write_example
-    from dflash_compiler.config import load_drafter_config
-    from dflash_compiler.pack import pack_weights
     from dflash_compiler.protocol import run_scenario
     from dflash_compiler.runtime.drafter import Drafter
     from dflash_compiler.selfcheck import default_scenario
 
-    artifact = tmp_path / Path(artifact_dir).name
-    shutil.copytree(artifact_dir, artifact)
-    ckpt = tmp_path / "ckpt"
-    write_example(_example_of(load_manifest(artifact, require=())), ckpt, seed=SEED)
-    pack_weights(artifact, ckpt / "drafter", ckpt / "target")
-    cfg = load_drafter_config(ckpt / "drafter")
+    artifact, _, _, cfg = _packed(artifact_dir, tmp_path)
     scenario = default_scenario(sequences=3, steps=6, seed=SEED)
 
     class OnDevice(Drafter):
