@@ -192,8 +192,8 @@ def _api_ms(
     drafter: Any, seqs: list[int], taps: list[Any], positions: list[Any], anchors: list[int]
 ) -> dict[str, float]:
     """Host wall time of one step through the public API, median of REPEATS, drafts read back each time:
-    `step` (one graph) against `append_context` then `propose` (a synchronisation and per-kernel launches from
-    the host between them); and of each one's first call, which captures its graphs. The same rows are
+    `step` (one graph) against `append_context` then `propose` (a graph each, with a synchronisation on the
+    host between them); and of each one's first call, which captures its graphs. The same rows are
     rewritten each time, so the cache lengths stay put."""
     from dflash_compiler.protocol import ContextRows
 

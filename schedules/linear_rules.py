@@ -434,15 +434,18 @@ class LinearMmaRule(FamilyRule):
         if wide:
             wgmma = int(spec.fp8 and wgmma_fits(spec, target))
             return {**few_rows_knobs(2 if spec.fp8 else 3, 4, 4, 4), "gemv_wgmma": wgmma}
-        # the deepest ring whose 16-row call is one wave; where none is, the last candidate
-        candidates = ((8, 4, 4), (6, 4, 4), (4, 4, 4), (3, 4, 4)) if spec.fp8 else ((3, 16, 8), (4, 8, 4))
+        # the deepest ring whose 16-row call is one wave; where none is, the fallback (several waves either way)
+        if spec.fp8:
+            candidates, fallback = ((8, 4, 4), (6, 4, 4), (4, 4, 4), (3, 4, 4)), (4, 4, 4)
+        else:
+            candidates, fallback = ((3, 16, 8), (4, 8, 4)), (4, 8, 4)
         blocks = -(-spec.n // MMA_ROWS)
         for candidate in candidates:
             knobs = few_rows_knobs(*candidate)
             plan = small_tiled_plan(spec, target, knobs)
             if target.shared_memory_per_sm // plan.shared_bytes() * target.sm_count >= blocks:
                 return knobs
-        return few_rows_knobs(4, 4, 4) if spec.fp8 else knobs
+        return few_rows_knobs(*fallback)
 
     def knobs_for(self, spec: LinearSpec, target: Target, knobs: Mapping[str, int] | None) -> dict[str, int]:
         """The target's defaults, then the GEMM-mode or the shape's GEMV-mode and few-rows ones, then `knobs`."""
